@@ -1,0 +1,1 @@
+"""The reference trainer behind ``fullshard train``: config, models, data and the loop."""
