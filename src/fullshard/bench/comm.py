@@ -86,7 +86,7 @@ class CommMeter:
                 self.blocked_s += time.perf_counter() - t0
 
         try:
-            work_cls.wait = wait
+            work_cls.wait = wait  # type: ignore[method-assign,assignment]
         except (AttributeError, TypeError):  # a sealed extension type: count calls only
             self._orig_wait = None
         return self
@@ -96,7 +96,7 @@ class CommMeter:
             setattr(dist, name, fn)
         self._orig.clear()
         if self._orig_wait is not None:
-            dist.distributed_c10d.Work.wait = self._orig_wait
+            dist.distributed_c10d.Work.wait = self._orig_wait  # type: ignore[method-assign]
             self._orig_wait = None
 
     def snapshot(self) -> dict[str, Any]:

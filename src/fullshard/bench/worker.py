@@ -122,7 +122,10 @@ def _meter(mode: str) -> Any:
 
 def run_rank(cfg_dict: dict[str, Any], mode: str) -> dict[str, Any]:
     """Train ``cfg.steps`` steps under ``mode`` on this rank; return timings, losses, memory, comm."""
-    cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg_dict.items()})
+    fields: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in cfg_dict.items()
+    }
+    cfg = BenchConfig(**fields)
     rank, world = dist.get_rank(), dist.get_world_size()
     global_batch = cfg.global_batch(world)
     batches = make_batches(cfg, global_batch, rank, world)

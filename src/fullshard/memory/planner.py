@@ -209,7 +209,7 @@ def build_model(spec: PlanSpec) -> nn.Module:
         return GPT(spec.model)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(spec.hf_config)
+    cfg = AutoConfig.from_pretrained(str(spec.hf_config))
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -228,7 +228,7 @@ def find_units(model: nn.Module, how: str) -> list[tuple[str, nn.Module]]:
 
 def _unit_shapes(units: list[tuple[str, nn.Module]]) -> list[Unit]:
     seen: set[int] = set()
-    out = []
+    out: list[list[tuple[int, ...]]] = []
     for _, mod in reversed(units):  # blocks claim their parameters first; the root the rest
         out.append([])
         for p in mod.parameters():
@@ -352,22 +352,20 @@ def _run_fake(
                 q.grad = None
             begin("backward root", 0, "backward")
 
+    def enter(label: str, unit: int, phase: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            begin(label, unit, phase)
+
+        return hook
+
     handles: list[Any] = []
     for i, (name, mod) in enumerate(named):
         if i == 0:
             continue
+        handles.append(mod.register_forward_pre_hook(enter(f"forward {name}", i, "forward")))
+        handles.append(mod.register_forward_hook(enter("forward root", 0, "forward")))
         handles.append(
-            mod.register_forward_pre_hook(
-                lambda m, a, n=name, i=i: begin(f"forward {n}", i, "forward")
-            )
-        )
-        handles.append(
-            mod.register_forward_hook(lambda m, a, o: begin("forward root", 0, "forward"))
-        )
-        handles.append(
-            mod.register_full_backward_pre_hook(
-                lambda m, g, n=name, i=i: begin(f"backward {n}", i, "backward")
-            )
+            mod.register_full_backward_pre_hook(enter(f"backward {name}", i, "backward"))
         )
     for p in params:
         handles.append(p.register_post_accumulate_grad_hook(accumulated))

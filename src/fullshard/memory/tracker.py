@@ -21,10 +21,10 @@ Three meters, each answering a different question:
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from collections.abc import Callable, Iterable
-from functools import wraps
 from typing import Any
 
 import torch
@@ -163,7 +163,7 @@ class LiveTensorBytes(TorchDispatchMode):
                 entry.nbytes = st.nbytes()
             return entry
         entry = _Entry(st.nbytes(), category)
-        entry.ref = weakref.ref(st, lambda r, k=key: self._freed(k, r))
+        entry.ref = weakref.ref(st, functools.partial(self._freed, key))
         self._entries[key] = entry
         if entry.nbytes:
             self._add(category, entry.nbytes)
@@ -209,7 +209,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self._orig_resize = torch.UntypedStorage.resize_
         orig = self._orig_resize
 
-        @wraps(orig)
+        @functools.wraps(orig)
         def resize_(st: torch.UntypedStorage, size: int) -> Any:
             res = orig(st, size)
             entry = self._entries.get(id(st))
@@ -218,7 +218,7 @@ class LiveTensorBytes(TorchDispatchMode):
                 entry.nbytes = st.nbytes()
             return res
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         super().__enter__()
         return self
 
