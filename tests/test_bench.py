@@ -28,6 +28,8 @@ MODE_FIELDS = {
     "peak_rss_mib_per_rank",
     "peak_rss_mib_max",
     "rss_after_setup_mib_per_rank",
+    "rss_runtime_mib_per_rank",
+    "peak_above_runtime_mib_max",
     "comm",
     "exposed_comm_s",
     "losses",

@@ -147,3 +147,29 @@ def verdicts(run: dict[str, Any]) -> list[str]:
     if c is not None and c["bytes_vs_theory"] is not None:
         out.append(f"bytes on the wire {c['bytes_vs_theory']:.3f}x the ZeRO-3 theory (3 x params)")
     return out
+
+
+def scaling_markdown(runs: list[dict[str, Any]]) -> str:
+    """Per-rank peak RSS against world size, per mode (the ``memory`` config's 1/N check)."""
+    runs = sorted(runs, key=lambda r: r["nproc"])
+    ns = [r["nproc"] for r in runs]
+    modes = list(dict.fromkeys(m for r in runs for m in r["modes"]))
+    state = 16 * runs[0]["n_params"] / _MIB  # fp32 params + grads + two AdamW states
+    head = ["mode", *[f"N={n}: peak RSS / above runtime (MiB)" for n in ns]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode in modes:
+        cells = [mode]
+        for r in runs:
+            m = r["modes"].get(mode)
+            cells.append(
+                "-"
+                if m is None
+                else f"{m['peak_rss_mib_max']:.0f} / {m['peak_above_runtime_mib_max']:.0f}"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(
+        "| ZeRO-3 model states 16 B/param / N | "
+        + " | ".join(f"{state / n:.0f}" for n in ns)
+        + " |"
+    )
+    return "\n".join(lines)

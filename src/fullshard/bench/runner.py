@@ -136,6 +136,7 @@ def aggregate(
         world = repeats[0][0]["world_size"]
         peak = [max(rs[r]["peak_rss_bytes"] for rs in repeats) / _MIB for r in range(world)]
         setup = [max(rs[r]["rss_after_setup_bytes"] for rs in repeats) / _MIB for r in range(world)]
+        runtime = [min(rs[r]["rss_runtime_bytes"] for rs in repeats) / _MIB for r in range(world)]
         comm = repeats[-1][0]["comm"]
         sharded = mode in ("fsdp2", "fullshard")
         theory = (3 if sharded else 1 if mode == "ddp" else 0) * param_bytes if world > 1 else 0
@@ -163,6 +164,8 @@ def aggregate(
             "peak_rss_mib_per_rank": peak,
             "peak_rss_mib_max": max(peak),
             "rss_after_setup_mib_per_rank": setup,
+            "rss_runtime_mib_per_rank": runtime,
+            "peak_above_runtime_mib_max": max(p - b for p, b in zip(peak, runtime)),
             "comm": comm_out,
             "losses": _loss_curve(repeats[0]),
         }

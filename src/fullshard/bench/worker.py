@@ -127,6 +127,8 @@ def run_rank(cfg_dict: dict[str, Any], mode: str) -> dict[str, Any]:
     }
     cfg = BenchConfig(**fields)
     rank, world = dist.get_rank(), dist.get_world_size()
+    gc.collect()
+    rss_runtime = current_rss_bytes()  # interpreter + torch + gloo, before any model memory
     global_batch = cfg.global_batch(world)
     batches = make_batches(cfg, global_batch, rank, world)
     torch.manual_seed(cfg.seed)
@@ -180,6 +182,7 @@ def run_rank(cfg_dict: dict[str, Any], mode: str) -> dict[str, Any]:
         "losses": losses,
         "peak_rss_bytes": peak_rss,
         "rss_after_setup_bytes": rss_setup,
+        "rss_runtime_bytes": rss_runtime,
         "hwm_reset": hwm_reset,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "n_params": n_params,
