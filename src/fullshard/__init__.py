@@ -1,0 +1,24 @@
+"""fullshard: fully sharded data parallel (ZeRO-3) training for PyTorch.
+
+The public API mirrors PyTorch FSDP2, so existing code switches with one import::
+
+    from fullshard import fully_shard, FSDPModule, MixedPrecisionPolicy
+"""
+
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .collectives import CollectiveStats, count_collectives
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "CollectiveStats",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "count_collectives",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]
+
+__version__ = "0.1.0"
