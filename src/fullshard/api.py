@@ -59,7 +59,10 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters; with ``async_op`` return a handle to wait on."""
-        group = _state(cast(nn.Module, self)).group
+        state = _state(cast(nn.Module, self))
+        if state.root is None:
+            state.lazy_init()
+        group = state.group
         group.unshard(async_op=True)
         handle = UnshardHandle(group)
         if async_op:
@@ -82,7 +85,9 @@ class FSDPModule:
         st = _state(cast(nn.Module, self))
         return st.subtree_states() if recurse else [st]
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Turn gradient reduction on/off (off: accumulate unsharded gradients locally)."""
         for st in self._states(recurse):
             st.group.requires_gradient_sync = requires_gradient_sync
@@ -92,12 +97,16 @@ class FSDPModule:
         for st in self._states(recurse):
             st.group.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Whether to free unsharded parameters after backward (False saves a re-gather)."""
         for st in self._states(recurse):
             st.group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | int, *, recurse: bool = True
+    ) -> None:
         """Change the post-forward reshard policy (True, False or an int group size)."""
         _check_reshard_after_forward(reshard_after_forward, None)
         for st in self._states(recurse):
@@ -111,11 +120,15 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Explicit forward prefetch: start these units' all-gathers in this unit's pre-forward."""
-        _state(cast(nn.Module, self)).forward_prefetch = [_state(cast(nn.Module, m)) for m in modules]
+        _state(cast(nn.Module, self)).forward_prefetch = [
+            _state(cast(nn.Module, m)) for m in modules
+        ]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Explicit backward prefetch: start these units' all-gathers in this unit's pre-backward."""
-        _state(cast(nn.Module, self)).backward_prefetch = [_state(cast(nn.Module, m)) for m in modules]
+        _state(cast(nn.Module, self)).backward_prefetch = [
+            _state(cast(nn.Module, m)) for m in modules
+        ]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""

@@ -113,7 +113,7 @@ class ParamGroup:
         self._unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
         self._grads_seen = 0
         self.backward_done = False  # reduce_grads already ran in this backward
-        self._layout_ready = False
+        self._layout_key: list[int] = []  # ids of the params the layout was built for
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -129,8 +129,11 @@ class ParamGroup:
 
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
-        if self._layout_ready or not self.params:
+        key = [id(sp) for sp in self.params]
+        if self._layout_key == key or not self.params:
             return
+        if self.state is not ShardedState.SHARDED:
+            raise RuntimeError(f"unit {self.name!r}: cannot change its parameters while unsharded")
         dtypes = {sp.orig_dtype for sp in self.params}
         if len(dtypes) > 1 and self.mp_policy.param_dtype is None:
             listing = ", ".join(f"{sp.fqn}: {sp.orig_dtype}" for sp in self.params)
@@ -159,7 +162,7 @@ class ParamGroup:
             pos += self.world * sp.shard_numel
         buf.untyped_storage().resize_(0)
         self._unsharded_buf = buf
-        self._layout_ready = True
+        self._layout_key = key
 
     def _regions(self) -> list[torch.Tensor]:
         """Per-parameter ``[world, shard_numel]`` views of the unsharded buffer."""
@@ -199,7 +202,9 @@ class ParamGroup:
         if not self.params or self.state is ShardedState.UNSHARDED or self._gather is not None:
             return
         with torch.no_grad():
-            out = torch.empty(self.world * self.total, dtype=self._compute_dtype(), device=self.device)
+            out = torch.empty(
+                self.world * self.total, dtype=self._compute_dtype(), device=self.device
+            )
             if self._post_forward_chunk is not None:
                 inp, self._post_forward_chunk = self._post_forward_chunk, None
                 group = self.post_forward_group

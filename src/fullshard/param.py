@@ -38,9 +38,7 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 class ShardedParam:
     """Sharded storage and metadata of one parameter (see the module docstring)."""
 
-    def __init__(
-        self, param: nn.Parameter, fqn: str, info: MeshInfo, device: torch.device
-    ) -> None:
+    def __init__(self, param: nn.Parameter, fqn: str, info: MeshInfo, device: torch.device) -> None:
         if param.dim() == 0:
             raise ValueError(
                 f"parameter {fqn!r} is 0-dimensional; fully_shard shards dim 0 (as FSDP2 does). "
@@ -93,7 +91,9 @@ class ShardedParam:
     @property
     def local(self) -> torch.Tensor:
         """This rank's unpadded shard (a plain tensor sharing the DTensor's storage)."""
-        return self.sharded_param._local_tensor
+        dtensor = self.sharded_param
+        assert isinstance(dtensor, DTensor)
+        return dtensor._local_tensor
 
     def add_ref(self, module: nn.Module, name: str) -> None:
         """Record that ``module.<name>`` registers this parameter and point it at the shard."""
