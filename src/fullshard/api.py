@@ -27,7 +27,7 @@ from .group import ParamGroup
 from .hooks import FSDPState
 from .mesh import default_mesh, mesh_info
 from .param import ShardedParam
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -181,6 +181,7 @@ def _claim_params(
     info: Any,
     device: torch.device,
     ignored: set[int],
+    pin_memory: bool,
 ) -> list[ShardedParam]:
     """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones."""
     below: list[ShardedParam] = []
@@ -210,7 +211,7 @@ def _claim_params(
                         f"fully_shard call on an enclosing module: apply fully_shard bottom-up "
                         f"(each block first, then the root)"
                     )
-                sp = ShardedParam(p, fqn, info, device)
+                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory)
                 sp.add_ref(sub, name)
                 claimed[id(p)] = sp
                 new.append(sp)
@@ -226,6 +227,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: set[nn.Parameter] | None = None,
+    comm_policy: CommPolicy | None = None,
 ) -> Any:
     """Shard ``module``'s parameters across ``mesh`` and make it one communication unit.
 
@@ -239,6 +241,8 @@ def fully_shard(
     - ``shard_placement_fn``: may return ``Shard(0)`` or ``None``; other dims are refused.
     - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
+    - ``comm_policy`` (fullshard only): low-precision communication, see
+      :class:`fullshard.policies.CommPolicy`.
 
     Parameters already owned by a unit applied earlier (a child) stay with it; a Parameter
     tied across units (e.g. embedding and output head) is handled, unlike FSDP2. Returns the
@@ -289,9 +293,10 @@ def fully_shard(
             f"the module to one device (module.to(...)) before fully_shard"
         )
     ignored = {id(p) for p in (ignored_params or ())}
-    params = _claim_params(modules, info, shard_device, ignored)
+    pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    params = _claim_params(modules, info, shard_device, ignored, pin)
     name = type(modules[0]).__name__
-    group = ParamGroup(params, info, compute_device, mp_policy, offload_policy, name)
+    group = ParamGroup(params, info, compute_device, mp_policy, offload_policy, name, comm_policy)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         for sub in m.modules():

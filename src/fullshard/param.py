@@ -38,7 +38,15 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 class ShardedParam:
     """Sharded storage and metadata of one parameter (see the module docstring)."""
 
-    def __init__(self, param: nn.Parameter, fqn: str, info: MeshInfo, device: torch.device) -> None:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        info: MeshInfo,
+        device: torch.device,
+        *,
+        pin_memory: bool = False,
+    ) -> None:
         if param.dim() == 0:
             raise ValueError(
                 f"parameter {fqn!r} is 0-dimensional; fully_shard shards dim 0 (as FSDP2 does). "
@@ -67,6 +75,9 @@ class ShardedParam:
             else:
                 local = param.detach()[start : start + self.local_rows].to(device, copy=True)
                 local = local.contiguous()
+                # Pinned host memory only helps (and only exists) with an accelerator.
+                if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
+                    local = local.pin_memory()
         dtensor = DTensor.from_local(
             local,
             info.mesh,
