@@ -65,11 +65,25 @@ class EngineModel:
     """Units gathered ahead of the current one in forward."""
     backward_prefetch: int
     """Units gathered ahead of the current one in backward."""
+    gather_input_copy: bool = False
+    """The all-gather sends a packed copy of this rank's shards (alive until the gather is
+    waited on); ``False``: it sends from the packed output in place."""
+    reduce_pending: bool = False
+    """A unit's packed reduce-scatter input stays alive until the next unit's reduction is
+    issued (the reduction overlaps that unit's backward)."""
 
 
 ENGINES: dict[str, EngineModel] = {
+    # fullshard's engine (see fullshard.group): rank-major packed all-gather output copied out
+    # into the unit's buffer, a packed send copy per gather, one unit prefetched each way, and
+    # each reduce-scatter finished when the next one is issued.
     "fullshard": EngineModel(
-        name="fullshard", copy_out=False, forward_prefetch=1, backward_prefetch=1
+        name="fullshard",
+        copy_out=True,
+        forward_prefetch=1,
+        backward_prefetch=1,
+        gather_input_copy=True,
+        reduce_pending=True,
     ),
     # torch FSDP2 on CPU: per-parameter copy-out, no forward prefetch (no streams), backward
     # prefetch of one unit.
@@ -428,6 +442,7 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
 
     events: list[Event] = []
     was: set[int] = set()
+    pending = 0  # a reduce-scatter input still alive (EngineModel.reduce_pending)
     for seg in segments:
         base = {
             f"{host}sharded params": shard,
@@ -439,24 +454,27 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
         new = now - was
         if new:  # all-gathers issued on entering this segment
             extra = sum(gathered[i] for i in new) if eng.copy_out else 0
-            if spec.param_dtype != torch.float32:  # the low-precision copy of the shard sent
+            if eng.gather_input_copy or spec.param_dtype != torch.float32:  # the shard sent
                 extra += sum(units[i].shard_numel * pbytes for i in new)
-            ev = dict(base, **{"gathered units": gath, "comm buffers": extra})
+            ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending})
             ev.update(
                 {"activations": seg.start - seg.start_grads, "unsharded grads": seg.start_grads}
             )
             names = ", ".join(units[i].name for i in sorted(new))
             events.append(Event(f"all-gather of {names} (entering {seg.label})", ev))
         was = now
-        ev = dict(base, **{"gathered units": gath, "comm buffers": 0})
+        ev = dict(base, **{"gathered units": gath, "comm buffers": pending})
         ev.update({"activations": seg.peak - seg.peak_grads, "unsharded grads": seg.peak_grads})
         events.append(Event(seg.label, ev))
         if seg.reduce_at is not None:
             u = units[seg.unit]
             # Full gradients and the packed reduce-scatter input coexist for the copy-in; the
             # new gradient shard is the output.
-            rs = u.padded_numel * pbytes + u.shard_numel * f32
-            ev = dict(base, **{"gathered units": gath, "comm buffers": rs})
+            send = u.padded_numel * pbytes
+            ev = dict(
+                base,
+                **{"gathered units": gath, "comm buffers": pending + send + u.shard_numel * f32},
+            )
             ev.update(
                 {
                     "activations": seg.reduce_at - seg.reduce_grads,
@@ -464,7 +482,8 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
                 }
             )
             events.append(Event(f"reduce-scatter of {u.name}", ev))
-            reduced.add(seg.unit)
+            reduced.add(seg.unit)  # its output buffer is now the gradient shards
+            pending = send if eng.reduce_pending and seg.unit != 0 else 0
             if seg.unit != 0 or spec.reshard_after_forward:
                 was = was - {seg.unit}
     # The optimizer step: all gradient shards, states, and per-parameter temporaries (AdamW's
