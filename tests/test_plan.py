@@ -117,3 +117,18 @@ def test_hf_config(tmp_path: Path) -> None:
     cfg.save_pretrained(tmp_path)
     p = plan(PlanSpec(hf_config=str(tmp_path), world_size=2, batch=1, seq=32))
     assert len(p.units) == 3 and p.peak.total > 0
+
+
+def test_peak_memory_meter_sees_a_large_allocation() -> None:
+    from fullshard.memory.tracker import LiveTensorBytes, PeakMemory
+
+    with PeakMemory(device="cpu") as pm:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del x
+    assert pm.peak_bytes >= pm.rss_start + (32 * 2**20 if pm.rss_reset else 0)
+    with LiveTensorBytes() as t:
+        a = torch.ones(1000)
+        b = a.view(10, 100)  # a view: no new storage
+        a.untyped_storage().resize_(0)
+    assert t.peak == 4000 and t.current == 0
+    del b

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = [
     "MALLOC_ENV",
     "LiveTensorBytes",
+    "PeakMemory",
     "current_rss_bytes",
     "peak_device_bytes",
     "peak_rss_bytes",
@@ -225,3 +226,40 @@ class LiveTensorBytes(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+
+
+class PeakMemory:
+    """Peak memory of a block of real work: RSS high-water mark on CPU, max allocated on GPU.
+
+    >>> with PeakMemory() as pm:
+    ...     train_steps()
+    >>> pm.peak_bytes  # device bytes on CUDA, else resident-set bytes
+
+    On CPU the RSS high-water mark is reset on entry (Linux ``clear_refs``); run the process with
+    :data:`MALLOC_ENV` in its environment from start-up so freed buffers leave RSS.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        dev = torch.device(device) if device is not None else None
+        self.cuda = (dev.type == "cuda") if dev is not None else torch.cuda.is_available()
+        self.rss_reset = False
+        self.rss_start = 0
+        self.peak_rss_bytes = 0
+        self.peak_device_bytes = 0
+
+    def __enter__(self) -> PeakMemory:
+        self.rss_start = current_rss_bytes()
+        self.rss_reset = reset_peak_rss()
+        if self.cuda:
+            reset_peak_device()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.peak_rss_bytes = peak_rss_bytes()
+        if self.cuda:
+            self.peak_device_bytes = peak_device_bytes()
+
+    @property
+    def peak_bytes(self) -> int:
+        """The number that matters on this device."""
+        return self.peak_device_bytes if self.cuda else self.peak_rss_bytes
