@@ -72,7 +72,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "backend": "gloo (loopback)",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "load_avg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_avg_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
