@@ -123,7 +123,12 @@ def render(results: dict[str, Any]) -> str:
             "## `fullshard plan` against measured runs",
             "",
             "Measured: peak live tensor bytes over 3 real training steps on 2 gloo ranks "
-            "(`fullshard plan --preset P --world-size 2 --engine E --measure`).",
+            "(`fullshard plan --preset P --world-size 2 --engine E --measure`), counted by a "
+            "TorchDispatchMode over tensor storages (`fullshard.memory.tracker.LiveTensorBytes`): "
+            "the quantity the plan predicts and `torch.cuda.max_memory_allocated` reports on a "
+            "GPU. RSS is not used here because it adds ~300 MiB of interpreter, libraries and "
+            "allocator caching that do not scale with the model. Activations in the plan come "
+            "from one fake-tensor forward + backward, not from a formula.",
             "",
             "| preset | ranks | micro-batch | engine | predicted MiB (at) | measured MiB (at) | error |",
             "|---|---|---|---|---|---|---|",
