@@ -42,9 +42,11 @@ def get_full_state_dict(
     keep = rank == 0 or not rank0_only
     aliases = model_aliases(model)
     out: dict[str, torch.Tensor] = {}
-    for fqn, t in model.state_dict().items():
-        if fqn in aliases and aliases[fqn] in out:
-            out[fqn] = out[aliases[fqn]]
+    sd = model.state_dict()
+    for fqn, t in sd.items():
+        if fqn in aliases and aliases[fqn] in sd:  # tied: gathered once (same order on all ranks)
+            if keep:
+                out[fqn] = out[aliases[fqn]]
             continue
         full = t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
         if keep:
