@@ -7,6 +7,7 @@ ranks (and a 2x2 HSDP mesh).
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from test_checkpoint_models import (
+    TinyNet,
     assert_same,
+    batch,
     eval_loss,
     full_optim_state,
     full_weights,
@@ -28,6 +32,7 @@ from test_checkpoint_models import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard.checkpoint as ckpt
+from fullshard.checkpoint.cli import export, main
 from fullshard.testing import run_distributed
 
 STEPS = 6
@@ -118,6 +123,17 @@ def _reshard(root: str, hsdp: bool) -> bytes:
         "optim": full_optim_state(model, opt),
         "next_eval": eval_loss(model, SAVE_AT),
     }
+    # Full weights in: export on rank 0, then every rank keeps only its rows of the file.
+    exported = Path(root) / f"export{world}{'hsdp' if hsdp else ''}.safetensors"
+    if dist.get_rank() == 0:
+        export(Path(root) / "checkpoints", exported)
+    dist.barrier()
+    from_file = make_model(seed=8, mesh=mesh)
+    ckpt.load_full_state_dict_from_file(from_file, exported)
+    assert_same(full_weights(from_file), out["weights"], "load_full_state_dict_from_file")
+    from_dict = make_model(seed=9, mesh=mesh)
+    ckpt.load_full_state_dict(from_dict, load_file(exported))
+    assert_same(full_weights(from_dict), out["weights"], "load_full_state_dict")
     if hsdp:
         # Save from the HSDP mesh (replicas write once) and load into a plain 1-D model.
         path = Path(root) / f"hsdp{world}" / "step_3"
@@ -166,3 +182,57 @@ def test_reshard_to_other_world_sizes(saved: tuple[Path, list[dict[str, Any]]], 
         assert res["next_eval"] == ref["next_eval"]
         if world == 4:  # 2x2 HSDP: only replica 0 writes, one file per shard rank
             assert res["hsdp_files"] == ["rank_00000.safetensors", "rank_00001.safetensors"]
+
+
+def test_export_loads_into_an_unsharded_model(
+    saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    root, (ref, _) = saved
+    reference = TinyNet()
+    reference.load_state_dict(ref["weights"])
+    x, _ = batch(SAVE_AT)
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(root), str(out)]) == 0  # run dir -> its newest checkpoint
+    model = TinyNet()
+    model.load_state_dict(load_file(out))  # strict: tied head.weight is in the file too
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+    out16 = tmp_path / "bf16" / "model.safetensors"
+    assert main(["export", str(root), str(out16), "--dtype", "bf16"]) == 0
+    sd16 = load_file(out16)
+    assert sd16["fc1.weight"].dtype == torch.bfloat16
+    assert torch.equal(sd16["fc1.weight"], ref["weights"]["fc1.weight"].to(torch.bfloat16))
+
+    # Hugging Face style sharded set when larger than --max-shard-size.
+    outs = tmp_path / "sharded" / "model.safetensors"
+    assert main(["export", str(root), str(outs), "--max-shard-size", "200B"]) == 0
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    merged: dict[str, torch.Tensor] = {}
+    for f in files:
+        merged.update(load_file(tmp_path / "sharded" / f))
+    assert_same(merged, ref["weights"], "sharded export")
+
+
+def test_inspect_prints_the_expected_fields(
+    saved: tuple[Path, list[dict[str, Any]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = saved
+    assert main(["inspect", str(root / "checkpoints")]) == 0
+    text = capsys.readouterr().out
+    for expected in (
+        f"step_{SAVE_AT:08d}",
+        "world size: 2",
+        f"step: {SAVE_AT}",
+        "rank_00000.safetensors",
+        "rank_00001.safetensors",
+        "emb.weight",
+        "float32  [13, 6]  312 bytes  2 shard(s)",
+        "fc2.bias",
+        "head.weight  tied to emb.weight",
+        "exp_avg, exp_avg_sq, step",
+        "checksums: ok (2 files verified)",
+    ):
+        assert expected in text, f"{expected!r} not in:\n{text}"
