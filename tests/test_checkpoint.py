@@ -17,6 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+
+import fullshard.checkpoint as ckpt
+from fullshard.checkpoint.cli import export, main
+from fullshard.testing import run_distributed
 from test_checkpoint_models import (
     TinyNet,
     assert_same,
@@ -29,11 +34,6 @@ from test_checkpoint_models import (
     make_optimizer,
     train_step,
 )
-from torch.distributed.device_mesh import init_device_mesh
-
-import fullshard.checkpoint as ckpt
-from fullshard.checkpoint.cli import export, main
-from fullshard.testing import run_distributed
 
 STEPS = 6
 SAVE_AT = 3
@@ -78,7 +78,9 @@ def _train_and_save(root: str) -> bytes:
 
     # Async save: snapshot now, training may change the weights before the write finishes.
     snapshot = local_state(model_c, opt_c)
-    handle = ckpt.save(Path(root) / "async" / "step_4", model=model_c, optimizer=opt_c, async_save=True)
+    handle = ckpt.save(
+        Path(root) / "async" / "step_4", model=model_c, optimizer=opt_c, async_save=True
+    )
     train_step(model_c, opt_c, SAVE_AT + 1)
     assert handle.wait() == Path(root) / "async" / "step_4"
     model_d = make_model(seed=7)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_checkpoint_models import TinyNet, assert_same, make_model, make_optimizer
 
 import fullshard.checkpoint as ckpt
+from test_checkpoint_models import TinyNet, assert_same, make_model, make_optimizer
 
 TESTS = Path(__file__).parent
 SRC = TESTS.parent / "src"

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_checkpoint_models import TinyNet, make_model, make_optimizer
 
 import fullshard.checkpoint as ckpt
 from fullshard.checkpoint.cli import main
 from fullshard.checkpoint.safetensors_io import read_header
+from test_checkpoint_models import TinyNet, make_model, make_optimizer
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,9 @@ def test_missing_and_unexpected_keys_are_named(good: Path) -> None:
             super().__init__()
             self.extra = torch.nn.Linear(2, 2)
 
-    with pytest.raises(ckpt.CheckpointError, match=r"missing keys \['extra.weight', 'extra.bias'\]"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"missing keys \['extra.weight', 'extra.bias'\]"
+    ):
         ckpt.load(good, model=Other())
     model = Other()
     ckpt.load(good, model=model, strict=False)
@@ -202,3 +204,31 @@ def make_loaded(path: Path) -> TinyNet:
     model = TinyNet()
     ckpt.load(path, model=model)
     return model
+
+
+def test_partial_reads_verify_only_the_blocks_they_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fullshard.checkpoint import saving as save_module
+
+    monkeypatch.setattr(save_module, "BLOCK_BYTES", 3 * 6 * 4)  # 3 rows of emb.weight per block
+    model = TinyNet()
+    path = tmp_path / "ckpt"
+    ckpt.save(path, model=model)
+    reader = ckpt.CheckpointReader(path)
+    rec = reader.manifest.model["emb.weight"]
+    assert rec.shards[0].rows_per_block == 3 and len(rec.shards[0].crc32) == 5
+    full = model.emb.weight.detach()
+    for lo, hi in [(0, 13), (0, 1), (2, 4), (3, 6), (5, 13), (12, 13)]:
+        box = ((lo, 0), (hi - lo, 6))
+        assert torch.equal(reader.read_box(rec, "emb.weight", box), full[lo:hi])
+    assert torch.equal(reader.read_box(rec, "emb", ((4, 2), (5, 3))), full[4:9, 2:5])
+    # Corrupt row 10 (block 3): rows in other blocks still read; rows in block 3 fail.
+    f = path / "rank_00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[_tensor_offset(path, "model/emb.weight") + 10 * 6 * 4] ^= 1
+    f.write_bytes(data)
+    reader = ckpt.CheckpointReader(path)
+    assert torch.equal(reader.read_box(rec, "emb.weight", ((0, 0), (9, 6))), full[:9])
+    with pytest.raises(ckpt.CheckpointError, match=r"rows \[9, 12\)"):
+        reader.read_box(rec, "emb.weight", ((11, 0), (1, 6)))

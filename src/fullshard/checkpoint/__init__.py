@@ -18,12 +18,12 @@ from .full_state_dict import (
     load_full_state_dict,
     load_full_state_dict_from_file,
 )
-from .load import load
+from .loading import load
 from .manager import CheckpointManager
 from .manifest import CheckpointError
 from .reader import CheckpointReader
 from .rng import rng_state_from_json, rng_state_to_json
-from .save import SaveHandle, save, wait_for_pending_save
+from .saving import SaveHandle, save, wait_for_pending_save
 
 __all__ = [
     "CheckpointError",

@@ -71,8 +71,10 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> int:
     print(f"model tensors: {len(m.model)}, {model_bytes} bytes ({_human(model_bytes)})")
     width = max((len(k) for k in [*m.model, *m.model_aliases]), default=0)
     for fqn, rec in m.model.items():
-        print(f"  {fqn:<{width}}  {_dtype_name(rec)}  {list(rec.shape)}  {rec.nbytes} bytes"
-              f"  {len(rec.shards)} shard(s)")
+        print(
+            f"  {fqn:<{width}}  {_dtype_name(rec)}  {list(rec.shape)}  {rec.nbytes} bytes"
+            f"  {len(rec.shards)} shard(s)"
+        )
     for fqn, src in m.model_aliases.items():
         print(f"  {fqn:<{width}}  tied to {src}")
     if m.optimizer is not None:
@@ -138,7 +140,10 @@ def export(
         names = [out]
     else:
         stem = out.name.removesuffix(".safetensors")
-        names = [out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors") for i in range(len(groups))]
+        names = [
+            out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
+            for i in range(len(groups))
+        ]
     out.parent.mkdir(parents=True, exist_ok=True)
     for target, group in zip(names, groups):
         tmp = target.with_name(target.name + ".tmp")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .load import apply_model_state
+from .loading import apply_model_state
 from .manifest import CheckpointError, validate_file_name
 from .safetensors_io import HeaderEntry, bytes_to_tensor, read_header, read_range
 from .shards import Box, model_aliases, rank_and_world, slices
@@ -97,7 +97,9 @@ def load_full_state_dict_from_file(
 def _open_safetensors(path: Path) -> dict[str, tuple[Path, HeaderEntry]]:
     if path.is_dir():
         candidates = [path / "model.safetensors.index.json", path / "model.safetensors"]
-        candidates += sorted(path.glob("*.safetensors.index.json")) + sorted(path.glob("*.safetensors"))
+        candidates += sorted(path.glob("*.safetensors.index.json")) + sorted(
+            path.glob("*.safetensors")
+        )
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
             raise CheckpointError(f"no .safetensors file or index JSON in {path}")
@@ -113,8 +115,8 @@ def _open_safetensors(path: Path) -> dict[str, tuple[Path, HeaderEntry]]:
     out: dict[str, tuple[Path, HeaderEntry]] = {}
     for f in files:
         entries, _, _ = read_header(f)
-        for key, e in entries.items():
-            out[key] = (f, e)
+        for key, entry in entries.items():
+            out[key] = (f, entry)
     return out
 
 

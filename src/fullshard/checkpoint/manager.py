@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .durability import clean_partial, latest_checkpoint, list_checkpoints
-from .load import load
-from .save import SaveHandle, save, wait_for_pending_save
+from .loading import load
+from .saving import SaveHandle, save, wait_for_pending_save
 
 __all__ = ["CheckpointManager"]
 

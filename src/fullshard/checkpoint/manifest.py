@@ -14,6 +14,7 @@ tensor byte is read.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -145,7 +146,9 @@ class Manifest:
         if self.optimizer is not None:
             for fqn, entries in self.optimizer.state.items():
                 out += [
-                    (f"optim/{fqn}/{n}", v) for n, v in entries.items() if isinstance(v, TensorRecord)
+                    (f"optim/{fqn}/{n}", v)
+                    for n, v in entries.items()
+                    if isinstance(v, TensorRecord)
                 ]
         return out
 
@@ -288,10 +291,13 @@ class _Parser:
         total = sum(math.prod(s.shape) for s in shards)
         ok = total == math.prod(rec.shape)
         if ok and len(shards) > 1:
-            if all(s.offset[1:] == (0,) * (len(rec.shape) - 1) and s.shape[1:] == rec.shape[1:] for s in shards):
+            if all(
+                s.offset[1:] == (0,) * (len(rec.shape) - 1) and s.shape[1:] == rec.shape[1:]
+                for s in shards
+            ):
                 # dim-0 sharding (the common case): sorted row ranges must chain end to start.
                 rows = sorted((s.offset[0], s.shape[0]) for s in shards)
-                ok = all(a[0] + a[1] == b[0] for a, b in zip(rows, rows[1:]))
+                ok = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(rows))
             else:
                 ok = not any(_overlap(a, b) for i, a in enumerate(shards) for b in shards[i + 1 :])
         if not ok:

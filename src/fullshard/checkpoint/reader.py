@@ -18,8 +18,14 @@ from pathlib import Path
 import torch
 
 from .durability import resolve_checkpoint
-from .manifest import MANIFEST_NAME, CheckpointError, Manifest, ShardRecord, TensorRecord
-from .manifest import parse_manifest
+from .manifest import (
+    MANIFEST_NAME,
+    CheckpointError,
+    Manifest,
+    ShardRecord,
+    TensorRecord,
+    parse_manifest,
+)
 from .safetensors_io import HeaderEntry, SafetensorsError, bytes_to_tensor, read_header, read_range
 from .shards import Box, intersect, slices
 
@@ -71,9 +77,9 @@ class CheckpointReader:
             for s in rec.shards:
                 if s.file != name:
                     continue
-                e = entries.get(s.key)
-                if e is None or e.dtype != rec.dtype or e.shape != s.shape:
-                    got = "missing" if e is None else f"{e.dtype} {list(e.shape)}"
+                entry = entries.get(s.key)
+                if entry is None or entry.dtype != rec.dtype or entry.shape != s.shape:
+                    got = "missing" if entry is None else f"{entry.dtype} {list(entry.shape)}"
                     raise CheckpointError(
                         f"{path}: tensor {tname} (key {s.key!r}) should be {rec.dtype} "
                         f"{list(s.shape)} but the file has {got}. {_FIX}"
@@ -97,7 +103,9 @@ class CheckpointReader:
             if overlap is None:
                 continue
             if s.shape:
-                rows = self._read_rows(s, name, overlap[0][0] - s.offset[0], overlap[1][0], rec.dtype)
+                rows = self._read_rows(
+                    s, name, overlap[0][0] - s.offset[0], overlap[1][0], rec.dtype
+                )
                 sub = rows[(slice(None), *slices(overlap, s.offset)[1:])]
             else:
                 sub = self._read_rows(s, name, 0, 1, rec.dtype)
@@ -123,7 +131,9 @@ class CheckpointReader:
         b1 = -(-(row0 + nrows) // s.rows_per_block)
         first_row = b0 * s.rows_per_block
         last_row = min(b1 * s.rows_per_block, s.shape[0])
-        raw = read_range(path, entry.begin + first_row * row_bytes, (last_row - first_row) * row_bytes)
+        raw = read_range(
+            path, entry.begin + first_row * row_bytes, (last_row - first_row) * row_bytes
+        )
         for b in range(b0, b1):
             r0 = b * s.rows_per_block
             r1 = min(r0 + s.rows_per_block, s.shape[0])
@@ -134,7 +144,12 @@ class CheckpointReader:
 
     @staticmethod
     def _verify(
-        raw: bytes | memoryview, want: int, s: ShardRecord, name: str, rows: tuple[int, int], path: Path
+        raw: bytes | bytearray | memoryview,
+        want: int,
+        s: ShardRecord,
+        name: str,
+        rows: tuple[int, int],
+        path: Path,
     ) -> None:
         got = zlib.crc32(raw)
         if got != want:

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -88,7 +88,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         flat = flat.contiguous()
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def bytes_to_tensor(buf: bytearray, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
@@ -181,10 +182,7 @@ def _parse_entry(path: Path, key: str, spec: object, data_start: int) -> HeaderE
     shape = spec.get("shape")
     offsets = spec.get("data_offsets")
     if (
-        dtype is None
-        or not _is_int_list(shape)
-        or not _is_int_list(offsets)
-        or len(offsets) != 2  # type: ignore[arg-type]
+        dtype is None or not _is_int_list(shape) or not _is_int_list(offsets) or len(offsets) != 2  # type: ignore[arg-type]
     ):
         raise SafetensorsError(bad)
     assert isinstance(shape, list) and isinstance(offsets, list)

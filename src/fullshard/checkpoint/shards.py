@@ -11,7 +11,7 @@ A *box* is ``(offset, shape)``: the region of the global tensor, one entry per d
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,7 +98,7 @@ def is_writer(t: torch.Tensor) -> bool:
     boxes are never written.
     """
     if isinstance(t, DTensor):
-        coord = t.device_mesh.get_coordinate() or []
+        coord: Sequence[int] = t.device_mesh.get_coordinate() or ()
         if any(isinstance(p, Replicate) and coord[i] != 0 for i, p in enumerate(t.placements)):
             return False
         return t.to_local().numel() > 0

@@ -190,4 +190,3 @@ def _decode_option(v: Any, current: Any) -> Any:
         items = [_decode_option(x, None) for x in v]
         return tuple(items) if isinstance(current, tuple) else items
     return v
-

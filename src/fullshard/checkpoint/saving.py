@@ -169,14 +169,15 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: b
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     snap.optim_groups = []
     for gi, group in enumerate(optimizer.param_groups):
-        fqns = []
+        fqns: list[str] = []
         for p in group["params"]:
-            fqn = fqn_of.get(id(p))
-            if fqn is None:
+            found = fqn_of.get(id(p))
+            if found is None:
                 raise ValueError(
                     f"optimizer param_groups[{gi}] holds a parameter of shape {list(p.shape)} "
                     "that is not in model.named_parameters(); pass the model it optimizes"
                 )
+            fqn = found
             fqns.append(fqn)
             for state_name, v in optimizer.state.get(p, {}).items():
                 where = f"optimizer state {fqn!r}[{state_name!r}]"
@@ -201,7 +202,9 @@ def encode_option(v: Any, where: str) -> Any:
     """A param-group option as JSON (tuples become lists, 0-d tensors a tagged dict)."""
     if isinstance(v, torch.Tensor):
         if v.numel() != 1 or v.dim() != 0:
-            raise TypeError(f"{where}: only 0-d tensors can be saved as options, got {list(v.shape)}")
+            raise TypeError(
+                f"{where}: only 0-d tensors can be saved as options, got {list(v.shape)}"
+            )
         return {"__tensor__": v.item(), "dtype": DTYPE_TO_ST[v.dtype]}
     if isinstance(v, list | tuple):
         return [encode_option(x, where) for x in v]
@@ -270,7 +273,9 @@ def _write_rank(tmp: Path, rank: int, pieces: list[_Piece], part: Path) -> None:
             _, head = write_header(f, entries, {"format": "pt", "fullshard_rank": str(rank)})
             for i, p in enumerate(pieces):
                 rows_per_block, crcs = _write_blocks(f, p.data)
-                shard = ShardRecord(file_name, p.name, p.offset, tuple(p.data.shape), rows_per_block, crcs)
+                shard = ShardRecord(
+                    file_name, p.name, p.offset, tuple(p.data.shape), rows_per_block, crcs
+                )
                 records.append({"name": p.name, "shard": shard.to_json()})
                 if delay and i == 0:
                     f.flush()
@@ -317,13 +322,22 @@ def _merge(tmp: Path, world: int, snap: _Snapshot, extra: dict[str, Any]) -> byt
                 )
             s = rec["shard"]
             shards[rec["name"]].append(
-                ShardRecord(s["file"], s["key"], tuple(s["offset"]), tuple(s["shape"]), s["rows_per_block"], tuple(s["crc32"]))
+                ShardRecord(
+                    s["file"],
+                    s["key"],
+                    tuple(s["offset"]),
+                    tuple(s["shape"]),
+                    s["rows_per_block"],
+                    tuple(s["crc32"]),
+                )
             )
         part.unlink()
 
     def record(name: str) -> TensorRecord:
         dtype, shape, sharded = snap.tensors[name]
-        return TensorRecord(dtype, shape, sharded, tuple(sorted(shards[name], key=lambda s: s.offset)))
+        return TensorRecord(
+            dtype, shape, sharded, tuple(sorted(shards[name], key=lambda s: s.offset))
+        )
 
     model = {n.removeprefix("model/"): record(n) for n in snap.tensors if n.startswith("model/")}
     optim = None
