@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from .manifest import CheckpointError, Manifest, TensorRecord
 from .reader import CheckpointReader
 from .safetensors_io import ST_TO_DTYPE
+from .saving import wait_for_pending_save
 from .shards import Box, local_box, model_aliases, wrap_like
 
 __all__ = ["apply_model_state", "load", "load_optimizer_state"]
@@ -46,6 +47,7 @@ def load(
     checkpoint and vice versa. The optimizer must hold the same parameters (by FQN) in the same
     param groups as the saved one; its state and hyperparameters are replaced.
     """
+    wait_for_pending_save()  # a background save may be writing the checkpoint asked for
     reader = CheckpointReader(path)
     m = reader.manifest
     where = str(reader.path)

@@ -46,6 +46,13 @@ class CheckpointReader:
             raise CheckpointError(f"{mpath} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
         self.manifest: Manifest = parse_manifest(mpath.read_bytes(), str(mpath))
         self._headers: dict[str, dict[str, HeaderEntry]] = {}
+        # file -> the (tensor name, record, shard) it holds, in manifest order
+        self._by_file: dict[str, list[tuple[str, TensorRecord, ShardRecord]]] = {
+            name: [] for name in self.manifest.files
+        }
+        for tname, rec in self.manifest.all_tensors():
+            for s in rec.shards:
+                self._by_file[s.file].append((tname, rec, s))
 
     def check_file(self, name: str) -> dict[str, HeaderEntry]:
         """Verify ``name`` against the manifest (size, header CRC, dtypes, shapes); cached."""
@@ -53,7 +60,7 @@ class CheckpointReader:
             return self._headers[name]
         path = self.path / name
         want = self.manifest.files[name]
-        held = self._tensors_in(name)
+        held = self._tensors_in(name)  # for messages
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -73,22 +80,19 @@ class CheckpointReader:
                 f"{path}: header checksum {zlib.crc32(head):#010x} != manifest "
                 f"{want['header_crc32']:#010x}; the file is corrupted. It holds {held}. {_FIX}"
             )
-        for tname, rec in self.manifest.all_tensors():
-            for s in rec.shards:
-                if s.file != name:
-                    continue
-                entry = entries.get(s.key)
-                if entry is None or entry.dtype != rec.dtype or entry.shape != s.shape:
-                    got = "missing" if entry is None else f"{entry.dtype} {list(entry.shape)}"
-                    raise CheckpointError(
-                        f"{path}: tensor {tname} (key {s.key!r}) should be {rec.dtype} "
-                        f"{list(s.shape)} but the file has {got}. {_FIX}"
-                    )
+        for tname, rec, s in self._by_file[name]:
+            entry = entries.get(s.key)
+            if entry is None or entry.dtype != rec.dtype or entry.shape != s.shape:
+                got = "missing" if entry is None else f"{entry.dtype} {list(entry.shape)}"
+                raise CheckpointError(
+                    f"{path}: tensor {tname} (key {s.key!r}) should be {rec.dtype} "
+                    f"{list(s.shape)} but the file has {got}. {_FIX}"
+                )
         self._headers[name] = entries
         return entries
 
     def _tensors_in(self, name: str) -> str:
-        names = [t for t, r in self.manifest.all_tensors() if any(s.file == name for s in r.shards)]
+        names = [t for t, _, _ in self._by_file[name]]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         return f"tensors [{shown}]"
 
@@ -165,10 +169,8 @@ class CheckpointReader:
         for name in self.manifest.files:
             try:
                 self.check_file(name)
-                for tname, rec in self.manifest.all_tensors():
-                    for s in rec.shards:
-                        if s.file == name:
-                            self._read_rows(s, tname, 0, s.shape[0] if s.shape else 1, rec.dtype)
+                for tname, rec, s in self._by_file[name]:
+                    self._read_rows(s, tname, 0, s.shape[0] if s.shape else 1, rec.dtype)
                 status[name] = "ok"
             except (CheckpointError, SafetensorsError, OSError) as e:
                 status[name] = str(e)

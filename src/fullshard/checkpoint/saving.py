@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import durability
 from .manifest import Manifest, OptimizerRecord, ShardRecord, TensorRecord, parse_manifest
@@ -161,7 +162,7 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: b
         if fqn in aliases:
             continue
         name = f"model/{fqn}"
-        tensors[name] = (t.dtype, tuple(t.shape), isinstance(t, torch.distributed.tensor.DTensor))
+        tensors[name] = (t.dtype, tuple(t.shape), isinstance(t, DTensor))
         take(name, t, pieces)
     snap = _Snapshot(tensors, pieces, aliases, None)
     if optimizer is None:
@@ -183,7 +184,7 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: b
                 where = f"optimizer state {fqn!r}[{state_name!r}]"
                 if isinstance(v, torch.Tensor):
                     name = f"optim/{fqn}/{state_name}"
-                    sharded = isinstance(v, torch.distributed.tensor.DTensor)
+                    sharded = isinstance(v, DTensor)
                     tensors[name] = (v.dtype, tuple(v.shape), sharded)
                     snap.optim_tensor_names.setdefault(fqn, {})[state_name] = name
                     take(name, v, pieces)
