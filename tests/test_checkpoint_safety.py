@@ -232,3 +232,14 @@ def test_partial_reads_verify_only_the_blocks_they_read(
     assert torch.equal(reader.read_box(rec, "emb.weight", ((0, 0), (9, 6))), full[:9])
     with pytest.raises(ckpt.CheckpointError, match=r"rows \[9, 12\)"):
         reader.read_box(rec, "emb.weight", ((11, 0), (1, 6)))
+
+
+def test_full_state_dict_with_only_one_tied_name(tmp_path: Path) -> None:
+    source = TinyNet()
+    sd = {k: v for k, v in source.state_dict().items() if k != "emb.weight"}  # only the head
+    model = TinyNet()
+    ckpt.load_full_state_dict(model, sd)
+    assert model.emb.weight is model.head.weight
+    assert torch.equal(model.emb.weight, source.emb.weight)
+    with pytest.raises(ckpt.CheckpointError, match=r"shape mismatches \[fc1.bias"):
+        ckpt.load_full_state_dict(model, {**sd, "fc1.bias": torch.zeros(3)})

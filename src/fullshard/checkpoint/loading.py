@@ -81,8 +81,21 @@ def apply_model_state(
     read or written, so a mismatch changes nothing); also used by :mod:`full_state_dict`.
     """
     targets = model.state_dict()
-    aliases = model_aliases(model)
-    missing = [k for k in targets if source(k) is None and source(aliases.get(k, k)) is None]
+    aliases = model_aliases(model)  # tied name -> first name
+    tied: dict[str, list[str]] = {}  # first name -> every name of that tensor
+    for name, first in aliases.items():
+        tied.setdefault(first, [first]).append(name)
+
+    def find(fqn: str) -> Callable[[Box], torch.Tensor] | None:
+        """A source for ``fqn``, or for any name tied to it (e.g. only lm_head in a file)."""
+        first = aliases.get(fqn, fqn)
+        for name in [fqn, *tied.get(first, [first])]:
+            got = source(name)
+            if got is not None:
+                return got
+        return None
+
+    missing = [k for k in targets if find(k) is None]
     unexpected = [k for k in shapes if k not in targets]
     wrong = [
         f"{k}: checkpoint {list(shapes[k])} vs model {list(t.shape)}"
@@ -109,13 +122,12 @@ def apply_model_state(
     for fqn, target in targets.items():
         if fqn in aliases and aliases[fqn] in targets:
             continue  # tied: filled through the tensor it aliases
-        get = source(fqn) or source(aliases.get(fqn, fqn))
+        get = find(fqn)
         if get is None:
             continue
         local = get(local_box(target, fqn))
         value = wrap_like(target, local)
-        batch[fqn] = value
-        batch.update({a: value for a, src in aliases.items() if src == fqn and a in targets})
+        batch.update({n: value for n in tied.get(fqn, [fqn]) if n in targets})
         batch_bytes += local.numel() * local.element_size()
         if batch_bytes >= _LOAD_BATCH_BYTES:
             _load_batch(model, batch)
@@ -157,7 +169,9 @@ def load_optimizer_state(
                 f"{sorted(set(saved['params']) - set(fqns))}, only in optimizer "
                 f"{sorted(set(fqns) - set(saved['params']))}"
             )
-        options = {k: _decode_option(v, group.get(k)) for k, v in saved["options"].items()}
+        # Saved options win; options the live group has and the checkpoint lacks are kept.
+        options = {k: v for k, v in group.items() if k != "params"}
+        options.update({k: _decode_option(v, group.get(k)) for k, v in saved["options"].items()})
         groups.append({**options, "params": list(range(index, index + len(fqns)))})
         for p, fqn in zip(group["params"], fqns):
             entries = m.optimizer.state.get(fqn)
