@@ -27,7 +27,7 @@ from .group import ParamGroup
 from .hooks import FSDPState
 from .mesh import default_mesh, mesh_info
 from .param import ShardedParam
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -59,7 +59,10 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters; with ``async_op`` return a handle to wait on."""
-        group = _state(cast(nn.Module, self)).group
+        state = _state(cast(nn.Module, self))
+        if state.root is None:
+            state.lazy_init()
+        group = state.group
         group.unshard(async_op=True)
         handle = UnshardHandle(group)
         if async_op:
@@ -82,7 +85,9 @@ class FSDPModule:
         st = _state(cast(nn.Module, self))
         return st.subtree_states() if recurse else [st]
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Turn gradient reduction on/off (off: accumulate unsharded gradients locally)."""
         for st in self._states(recurse):
             st.group.requires_gradient_sync = requires_gradient_sync
@@ -92,12 +97,16 @@ class FSDPModule:
         for st in self._states(recurse):
             st.group.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Whether to free unsharded parameters after backward (False saves a re-gather)."""
         for st in self._states(recurse):
             st.group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | int, *, recurse: bool = True
+    ) -> None:
         """Change the post-forward reshard policy (True, False or an int group size)."""
         _check_reshard_after_forward(reshard_after_forward, None)
         for st in self._states(recurse):
@@ -111,11 +120,15 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Explicit forward prefetch: start these units' all-gathers in this unit's pre-forward."""
-        _state(cast(nn.Module, self)).forward_prefetch = [_state(cast(nn.Module, m)) for m in modules]
+        _state(cast(nn.Module, self)).forward_prefetch = [
+            _state(cast(nn.Module, m)) for m in modules
+        ]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Explicit backward prefetch: start these units' all-gathers in this unit's pre-backward."""
-        _state(cast(nn.Module, self)).backward_prefetch = [_state(cast(nn.Module, m)) for m in modules]
+        _state(cast(nn.Module, self)).backward_prefetch = [
+            _state(cast(nn.Module, m)) for m in modules
+        ]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
@@ -168,6 +181,7 @@ def _claim_params(
     info: Any,
     device: torch.device,
     ignored: set[int],
+    pin_memory: bool,
 ) -> list[ShardedParam]:
     """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones."""
     below: list[ShardedParam] = []
@@ -197,7 +211,7 @@ def _claim_params(
                         f"fully_shard call on an enclosing module: apply fully_shard bottom-up "
                         f"(each block first, then the root)"
                     )
-                sp = ShardedParam(p, fqn, info, device)
+                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory)
                 sp.add_ref(sub, name)
                 claimed[id(p)] = sp
                 new.append(sp)
@@ -213,6 +227,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: set[nn.Parameter] | None = None,
+    comm_policy: CommPolicy | None = None,
 ) -> Any:
     """Shard ``module``'s parameters across ``mesh`` and make it one communication unit.
 
@@ -226,6 +241,8 @@ def fully_shard(
     - ``shard_placement_fn``: may return ``Shard(0)`` or ``None``; other dims are refused.
     - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
+    - ``comm_policy`` (fullshard only): low-precision communication, see
+      :class:`fullshard.policies.CommPolicy`.
 
     Parameters already owned by a unit applied earlier (a child) stay with it; a Parameter
     tied across units (e.g. embedding and output head) is handled, unlike FSDP2. Returns the
@@ -276,9 +293,10 @@ def fully_shard(
             f"the module to one device (module.to(...)) before fully_shard"
         )
     ignored = {id(p) for p in (ignored_params or ())}
-    params = _claim_params(modules, info, shard_device, ignored)
+    pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    params = _claim_params(modules, info, shard_device, ignored, pin)
     name = type(modules[0]).__name__
-    group = ParamGroup(params, info, compute_device, mp_policy, offload_policy, name)
+    group = ParamGroup(params, info, compute_device, mp_policy, offload_policy, name, comm_policy)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         for sub in m.modules():

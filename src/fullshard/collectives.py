@@ -179,7 +179,9 @@ def reduce_scatter(
         return Handle(None)
     _record("reduce_scatter", input, size)
     return Handle(
-        _issue("reduce_scatter", output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        _issue(
+            "reduce_scatter", output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
     )
 
 

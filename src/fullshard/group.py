@@ -30,7 +30,8 @@ from torch import nn
 from . import collectives as C
 from .mesh import MeshInfo
 from .param import ShardedParam
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import CommPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .quant import dequantize_int8, quantize_int8
 
 __all__ = ["ParamGroup", "ShardedState"]
 
@@ -90,12 +91,14 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
         name: str,
+        comm_policy: CommPolicy | None = None,
     ) -> None:
         self.params = params
         self.info = info
         self.device = device  # where unsharded parameters live and compute happens
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
+        self.comm_policy = comm_policy or CommPolicy()
         self.name = name  # the unit's module FQN, for messages
         self.state = ShardedState.SHARDED
         # Knobs (set_* methods of FSDPModule).
@@ -113,7 +116,7 @@ class ParamGroup:
         self._unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
         self._grads_seen = 0
         self.backward_done = False  # reduce_grads already ran in this backward
-        self._layout_ready = False
+        self._layout_key: list[int] = []  # ids of the params the layout was built for
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -123,14 +126,24 @@ class ParamGroup:
     def _compute_dtype(self) -> torch.dtype:
         return self.mp_policy.param_dtype or self.params[0].orig_dtype
 
-    def _reduce_dtype(self) -> torch.dtype:
+    def _accum_dtype(self) -> torch.dtype:
+        """Dtype of unsharded gradients accumulated without sync (the reduce dtype)."""
         mp = self.mp_policy
         return mp.reduce_dtype or mp.param_dtype or self.params[0].orig_dtype
 
+    def _wire_reduce_dtype(self) -> torch.dtype:
+        return self.comm_policy.reduce_dtype or self._accum_dtype()
+
+    def _wire_gather_dtype(self) -> torch.dtype:
+        return self.comm_policy.all_gather_dtype or self._compute_dtype()
+
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
-        if self._layout_ready or not self.params:
+        key = [id(sp) for sp in self.params]
+        if self._layout_key == key or not self.params:
             return
+        if self.state is not ShardedState.SHARDED:
+            raise RuntimeError(f"unit {self.name!r}: cannot change its parameters while unsharded")
         dtypes = {sp.orig_dtype for sp in self.params}
         if len(dtypes) > 1 and self.mp_policy.param_dtype is None:
             listing = ", ".join(f"{sp.fqn}: {sp.orig_dtype}" for sp in self.params)
@@ -159,7 +172,7 @@ class ParamGroup:
             pos += self.world * sp.shard_numel
         buf.untyped_storage().resize_(0)
         self._unsharded_buf = buf
-        self._layout_ready = True
+        self._layout_key = key
 
     def _regions(self) -> list[torch.Tensor]:
         """Per-parameter ``[world, shard_numel]`` views of the unsharded buffer."""
@@ -179,8 +192,7 @@ class ParamGroup:
         return self._unsharded_buf.untyped_storage().nbytes()
 
     # ---------------------------------------------------------------------------- unshard
-    def _pack_shards(self) -> torch.Tensor:
-        dtype = self._compute_dtype()
+    def _pack_shards(self, dtype: torch.dtype) -> torch.Tensor:
         inp = torch.empty(self.total, dtype=dtype, device=self.device)
         meta = [sp.fqn for sp in self.params if sp.local.is_meta]
         if meta:
@@ -194,17 +206,37 @@ class ParamGroup:
                 inp[off : off + sp.local_numel].copy_(sp.local.reshape(-1), non_blocking=True)
         return inp
 
+    def _decode(self, out: torch.Tensor) -> torch.Tensor:
+        """The gathered ``[world, total]`` rows in compute dtype (dequantised if needed)."""
+        dtype = self._compute_dtype()
+        if out.dtype == dtype:
+            return out.view(self.world, self.total)
+        if out.dtype == torch.uint8:  # int8 wire format, see fullshard.quant
+            rows = torch.empty(self.world, self.total, dtype=dtype, device=self.device)
+            dequantize_int8(out.view(self.world, -1), self.total, self.comm_policy.block_size, rows)
+            return rows
+        return out.view(self.world, self.total).to(dtype)
+
     def unshard(self, async_op: bool = True) -> None:
         """Issue the all-gather of this unit's parameters (no-op if unsharded or in flight)."""
         if not self.params or self.state is ShardedState.UNSHARDED or self._gather is not None:
             return
         with torch.no_grad():
-            out = torch.empty(self.world * self.total, dtype=self._compute_dtype(), device=self.device)
-            if self._post_forward_chunk is not None:
+            wire = self._wire_gather_dtype()
+            if self._post_forward_chunk is not None:  # kept in compute dtype
                 inp, self._post_forward_chunk = self._post_forward_chunk, None
                 group = self.post_forward_group
+                assert group is not None
+                ranks = dist.get_world_size(group)
             else:
-                inp, group = self._pack_shards(), self.info.shard_group
+                group, ranks = self.info.shard_group, self.world
+                if wire == torch.int8:
+                    inp = quantize_int8(
+                        self._pack_shards(torch.float32), self.comm_policy.block_size
+                    )
+                else:
+                    inp = self._pack_shards(wire)
+            out = torch.empty(inp.numel() * ranks, dtype=inp.dtype, device=self.device)
             handle = C.all_gather(out, inp, group, async_op=async_op)
         self._gather = (handle, out, inp)
 
@@ -224,9 +256,7 @@ class ParamGroup:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             sizes = [sp.shard_numel for sp in self.params]
-            torch.split_with_sizes_copy(
-                out.view(self.world, self.total), sizes, dim=1, out=self._regions()
-            )
+            torch.split_with_sizes_copy(self._decode(out), sizes, dim=1, out=self._regions())
         for sp in self.params:
             sp.to_unsharded()
         self.state = ShardedState.UNSHARDED
@@ -273,7 +303,7 @@ class ParamGroup:
         gradient sync is off, in which case gradients accumulate unsharded in reduce dtype).
         """
         self.backward_done = True
-        reduce_dtype = self._reduce_dtype()
+        reduce_dtype = self._accum_dtype()
         ready: list[tuple[ShardedParam, torch.Tensor]] = []
         with torch.no_grad():
             for sp in self.params:
@@ -300,7 +330,7 @@ class ParamGroup:
             self.reshard()
         if not ready:
             return None
-        return self._reduce_scatter(ready, reduce_dtype)
+        return self._reduce_scatter(ready, self._wire_reduce_dtype())
 
     def _reduce_scatter(
         self, ready: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype

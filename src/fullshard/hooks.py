@@ -101,13 +101,27 @@ class FSDPState:
     # ------------------------------------------------------------------------- lazy init
     def lazy_init(self) -> None:
         """Become the root of every unit below; assign tied parameters; build layouts."""
-        self.is_root, self.root = True, self
         self.states = self.subtree_states()
-        for st in self.states[1:]:
-            st.is_root, st.root = False, self
+        names = {id(m): n for root in self.modules for n, m in root.named_modules()}
+        meta: list[str] = []
         for st in self.states:
             for sp in st.group.params:
                 sp.sync_from_modules()
+                module, attr = sp.refs[0]
+                prefix = names.get(id(module), "")
+                sp.fqn = f"{prefix}.{attr}" if prefix else attr  # root-relative from now on
+                if sp.local.is_meta:
+                    meta.append(sp.fqn)
+        if meta:
+            shown = meta if len(meta) <= 12 else meta[:12] + [f"... {len(meta) - 12} more"]
+            raise RuntimeError(
+                f"parameters are still on the meta device: {shown}. Call "
+                f"module.to_empty(device=...) and then reset_parameters() (or load a "
+                f"checkpoint) before the forward pass"
+            )
+        self.is_root, self.root = True, self
+        for st in self.states[1:]:
+            st.is_root, st.root = False, self
         self._assign_shared_params()
         for st in self.states:
             st.group.init_layout(st._on_grad_accumulated)
@@ -120,7 +134,9 @@ class FSDPState:
         unit tied to the root's output head); here it moves to the unit whose subtree holds
         every module that uses it, which is unsharded whenever any of them computes.
         """
-        subtree = {id(st): {id(m) for root in st.modules for m in root.modules()} for st in self.states}
+        subtree = {
+            id(st): {id(m) for root in st.modules for m in root.modules()} for st in self.states
+        }
         for owner in self.states:
             for sp in list(owner.group.params):
                 users = {id(m) for m, _ in sp.refs}

@@ -39,7 +39,13 @@ class ShardedParam:
     """Sharded storage and metadata of one parameter (see the module docstring)."""
 
     def __init__(
-        self, param: nn.Parameter, fqn: str, info: MeshInfo, device: torch.device
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        info: MeshInfo,
+        device: torch.device,
+        *,
+        pin_memory: bool = False,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -69,6 +75,9 @@ class ShardedParam:
             else:
                 local = param.detach()[start : start + self.local_rows].to(device, copy=True)
                 local = local.contiguous()
+                # Pinned host memory only helps (and only exists) with an accelerator.
+                if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
+                    local = local.pin_memory()
         dtensor = DTensor.from_local(
             local,
             info.mesh,
@@ -93,7 +102,9 @@ class ShardedParam:
     @property
     def local(self) -> torch.Tensor:
         """This rank's unpadded shard (a plain tensor sharing the DTensor's storage)."""
-        return self.sharded_param._local_tensor
+        dtensor = self.sharded_param
+        assert isinstance(dtensor, DTensor)
+        return dtensor._local_tensor
 
     def add_ref(self, module: nn.Module, name: str) -> None:
         """Record that ``module.<name>`` registers this parameter and point it at the shard."""
