@@ -8,7 +8,6 @@ ranks (and a 2x2 HSDP mesh).
 from __future__ import annotations
 
 import json
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,11 @@ STEPS = 6
 SAVE_AT = 3
 
 
-def _run(fn: Callable[..., bytes], world: int, *args: Any) -> list[Any]:
-    """run_distributed, with results pickled to bytes by the ranks (tensors travel by value)."""
-    return [pickle.loads(r) for r in run_distributed(fn, world, *args, timeout=120)]
+def _run(fn: Callable[..., dict[str, Any]], world: int, *args: Any) -> list[dict[str, Any]]:
+    return run_distributed(fn, world, *args, timeout=120)
 
 
-def _train_and_save(root: str) -> bytes:
+def _train_and_save(root: str) -> dict[str, Any]:
     """Oracle (6 straight steps), then 3 steps + save, round trip and async save checks."""
     rank = dist.get_rank()
     model, opt = make_model(seed=0), None
@@ -95,26 +93,24 @@ def _train_and_save(root: str) -> bytes:
         assert full_sd["head.weight"] is full_sd["emb.weight"]
     else:
         assert full_sd == {}
-    return pickle.dumps(
-        {
-            "losses": losses,
-            "weights": weights_at[SAVE_AT],
-            "optim": optim_at,
-            "final": final,
-            "next_eval": next_eval,
-        }
-    )
+    return {
+        "losses": losses,
+        "weights": weights_at[SAVE_AT],
+        "optim": optim_at,
+        "final": final,
+        "next_eval": next_eval,
+    }
 
 
-def _resume(root: str) -> bytes:
+def _resume(root: str) -> dict[str, Any]:
     model = make_model(seed=99)
     opt = make_optimizer(model)
     extra = ckpt.load(Path(root), model=model, optimizer=opt)  # a run dir: newest checkpoint
     losses = [train_step(model, opt, step) for step in range(extra["step"], STEPS)]
-    return pickle.dumps({"losses": losses, "final": full_weights(model)})
+    return {"losses": losses, "final": full_weights(model)}
 
 
-def _reshard(root: str, hsdp: bool) -> bytes:
+def _reshard(root: str, hsdp: bool) -> dict[str, Any]:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
     model = make_model(seed=5, mesh=mesh)
@@ -147,7 +143,7 @@ def _reshard(root: str, hsdp: bool) -> bytes:
         assert_same(full_weights(model_1d), out["weights"], "HSDP save -> 1-D load")
         assert_same(full_optim_state(model_1d, opt_1d), out["optim"], "HSDP save -> 1-D optim")
         out["hsdp_files"] = files
-    return pickle.dumps(out)
+    return out
 
 
 @pytest.fixture(scope="module")
