@@ -35,12 +35,15 @@ class TinyNet(nn.Module):
         return self.head(h)
 
 
-def make_model(seed: int = 0, mesh: DeviceMesh | None = None) -> TinyNet:
+def make_model(seed: int = 0, mesh: DeviceMesh | None = None, units: bool = True) -> TinyNet:
+    """TinyNet, fully sharded when torch.distributed is up: fc1, fc2 and the root as units
+    (``units=False``: one unit for the whole model, a different layout with the same FQNs)."""
     torch.manual_seed(seed)
     model = TinyNet()
     if dist.is_initialized():
-        fully_shard(model.fc1, mesh=mesh)
-        fully_shard(model.fc2, mesh=mesh)
+        if units:
+            fully_shard(model.fc1, mesh=mesh)
+            fully_shard(model.fc2, mesh=mesh)
         fully_shard(model, mesh=mesh)
     return model
 
