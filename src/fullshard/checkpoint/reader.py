@@ -170,7 +170,9 @@ class CheckpointReader:
             try:
                 self.check_file(name)
                 for tname, rec, s in self._by_file[name]:
-                    self._read_rows(s, tname, 0, s.shape[0] if s.shape else 1, rec.dtype)
+                    rows = s.shape[0] if s.shape else 1
+                    for row in range(0, rows, s.rows_per_block):  # one block at a time
+                        self._read_rows(s, tname, row, min(s.rows_per_block, rows - row), rec.dtype)
                 status[name] = "ok"
             except (CheckpointError, SafetensorsError, OSError) as e:
                 status[name] = str(e)

@@ -155,10 +155,11 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: b
             data = local_data(t).detach()
             pieces.append(_Piece(name, data.to("cpu", copy=True) if copy else data, offset))
 
-    aliases = model_aliases(model)
+    sd = model.state_dict()
+    aliases = {a: f for a, f in model_aliases(model).items() if a in sd and f in sd}
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], bool]] = {}
     pieces: list[_Piece] = []
-    for fqn, t in model.state_dict().items():
+    for fqn, t in sd.items():
         if fqn in aliases:
             continue
         name = f"model/{fqn}"
