@@ -61,7 +61,7 @@ def test_export_peak_rss_is_bounded_by_the_largest_tensor(tmp_path: Path) -> Non
     largest = ROWS * COLS * 4
     total = N_TENSORS * largest
     growth = _peak_growth("export", str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
-    bound = 2 * largest + 16 * MiB  # one tensor being assembled + one shard's read buffer
+    bound = largest + 16 * MiB  # the one tensor being assembled, plus a small constant
     assert bound < total / 2  # the test can tell streaming from loading the whole model
     assert growth < bound, (
         f"export peak RSS grew {growth / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB, "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -145,14 +146,22 @@ def export(
             for i in range(len(groups))
         ]
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Two buffers reused for every tensor (read, and cast when --dtype changes it): allocating
+    # and freeing one per tensor lets malloc keep freed blocks and RSS creep past one tensor.
+    read_buf = torch.empty(max((r.nbytes for _, r, _ in items), default=0), dtype=torch.uint8)
+    cast_buf = torch.empty(
+        max((out_bytes(r) for _, r, _ in items if out_dtype(r) != r.dtype), default=0),
+        dtype=torch.uint8,
+    )
     for target, group in zip(names, groups):
         tmp = target.with_name(target.name + ".tmp")
         with open(tmp, "wb") as f:
             write_header(f, [(k, out_dtype(r), r.shape) for k, r, _ in group], {"format": "pt"})
             for _, rec, src in group:
-                t = reader.read_full(rec, f"model/{src}").to(out_dtype(rec))
+                t = reader.read_full(rec, f"model/{src}", _view(read_buf, rec.dtype, rec.shape))
+                if out_dtype(rec) != rec.dtype:
+                    t = _view(cast_buf, out_dtype(rec), rec.shape).copy_(t)
                 f.write(tensor_bytes(t))
-                del t
         os.replace(tmp, target)
     if len(groups) > 1:
         index = {
@@ -163,6 +172,12 @@ def export(
         index_path.write_text(json.dumps(index, indent=2))
         return [*names, index_path]
     return names
+
+
+def _view(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first bytes of the uint8 ``buf`` as a contiguous ``dtype`` tensor of ``shape``."""
+    n = math.prod(shape) * dtype.itemsize
+    return buf[:n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
 
 
 def main(argv: list[str]) -> int:

@@ -26,7 +26,15 @@ from .manifest import (
     TensorRecord,
     parse_manifest,
 )
-from .safetensors_io import HeaderEntry, SafetensorsError, bytes_to_tensor, read_header, read_range
+from .safetensors_io import (
+    HeaderEntry,
+    SafetensorsError,
+    bytes_to_tensor,
+    read_header,
+    read_into,
+    read_range,
+    tensor_bytes,
+)
 from .shards import Box, intersect, slices
 
 __all__ = ["CheckpointReader"]
@@ -96,15 +104,28 @@ class CheckpointReader:
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         return f"tensors [{shown}]"
 
-    def read_box(self, rec: TensorRecord, name: str, box: Box) -> torch.Tensor:
-        """The values of box ``(offset, shape)`` of tensor ``rec`` (``name`` for messages)."""
+    def read_box(
+        self, rec: TensorRecord, name: str, box: Box, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The values of box ``(offset, shape)`` of tensor ``rec`` (``name`` for messages).
+
+        ``out``, if given, is a contiguous tensor of the box's shape and ``rec``'s dtype to fill
+        (lets a caller reuse one buffer for many tensors).
+        """
         offset, shape = box
-        out = torch.empty(shape, dtype=rec.dtype)
+        if out is None:
+            out = torch.empty(shape, dtype=rec.dtype)
+        elif tuple(out.shape) != tuple(shape) or out.dtype != rec.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out must be contiguous {rec.dtype} {list(shape)}, got {out.dtype} {list(out.shape)}"
+            )
         if out.numel() == 0:
             return out
         for s in rec.shards:
             overlap = intersect(box, (s.offset, s.shape))
             if overlap is None:
+                continue
+            if s.shape and self._read_whole_rows_into(out, box, s, name, overlap):
                 continue
             if s.shape:
                 rows = self._read_rows(
@@ -116,9 +137,40 @@ class CheckpointReader:
             out[slices(overlap, offset)] = sub
         return out
 
-    def read_full(self, rec: TensorRecord, name: str) -> torch.Tensor:
-        """The whole tensor ``rec``."""
-        return self.read_box(rec, name, ((0,) * len(rec.shape), rec.shape))
+    def read_full(
+        self, rec: TensorRecord, name: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The whole tensor ``rec`` (into ``out`` if given, see :meth:`read_box`)."""
+        return self.read_box(rec, name, ((0,) * len(rec.shape), rec.shape), out)
+
+    def _read_whole_rows_into(
+        self, out: torch.Tensor, box: Box, s: ShardRecord, name: str, overlap: Box
+    ) -> bool:
+        """Fast path: read the overlap straight into ``out`` (no staging buffer) when it is
+        whole rows of both ``out`` and the shard and starts and ends on block boundaries, as
+        when reading a whole tensor or loading at the world size it was saved with."""
+        (o_lo, *_), (o_rows, *o_rest) = overlap
+        row0 = o_lo - s.offset[0]
+        end = row0 + o_rows
+        if (
+            tuple(o_rest) != s.shape[1:]
+            or tuple(o_rest) != tuple(box[1][1:])
+            or row0 % s.rows_per_block
+            or (end % s.rows_per_block and end != s.shape[0])
+        ):
+            return False
+        entry = self.check_file(s.file)[s.key]
+        row_bytes = (entry.end - entry.begin) // s.shape[0]
+        dest_rows = out[o_lo - box[0][0] : o_lo - box[0][0] + o_rows]  # contiguous rows of out
+        dest = tensor_bytes(dest_rows)
+        path = self.path / s.file
+        read_into(path, entry.begin + row0 * row_bytes, dest)
+        for b in range(row0 // s.rows_per_block, -(-end // s.rows_per_block)):
+            r0 = b * s.rows_per_block
+            r1 = min(r0 + s.rows_per_block, s.shape[0])
+            chunk = dest[(r0 - row0) * row_bytes : (r1 - row0) * row_bytes]
+            self._verify(chunk, s.crc32[b], s, name, (r0, r1), path)
+        return True
 
     def _read_rows(
         self, s: ShardRecord, name: str, row0: int, nrows: int, dtype: torch.dtype

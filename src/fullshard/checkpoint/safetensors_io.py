@@ -36,6 +36,7 @@ __all__ = [
     "SafetensorsError",
     "bytes_to_tensor",
     "read_header",
+    "read_into",
     "read_range",
     "tensor_bytes",
     "write_header",
@@ -195,19 +196,24 @@ def _parse_entry(path: Path, key: str, spec: object, data_start: int) -> HeaderE
 def read_range(path: Path, begin: int, length: int) -> bytearray:
     """Read exactly ``length`` bytes at absolute offset ``begin`` of ``path``."""
     buf = bytearray(length)
-    view = memoryview(buf)
+    read_into(path, begin, memoryview(buf))
+    return buf
+
+
+def read_into(path: Path, begin: int, dest: memoryview) -> None:
+    """Fill ``dest`` (a writable byte buffer) with the bytes of ``path`` from ``begin``."""
+    length = len(dest)
     fd = os.open(path, os.O_RDONLY)
     try:
         got = 0
         while got < length:
-            n = os.preadv(fd, [view[got : got + (64 << 20)]], begin + got)
+            n = os.preadv(fd, [dest[got : got + (64 << 20)]], begin + got)
             if n <= 0:
                 raise SafetensorsError(
                     f"{path}: unexpected end of file at byte {begin + got} "
                     f"(wanted {length} bytes from {begin}); file is truncated"
                 )
             got += n
-        return buf
     finally:
         os.close(fd)
 
