@@ -231,6 +231,7 @@ def test_inspect_prints_the_expected_fields(
         "fc2.bias",
         "head.weight  tied to emb.weight",
         "exp_avg, exp_avg_sq, step",
+        "total tensor bytes: 2144",
         "checksums: ok (2 files verified)",
     ):
         assert expected in text, f"{expected!r} not in:\n{text}"

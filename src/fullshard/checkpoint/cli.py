@@ -78,9 +78,10 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> int:
         )
     for fqn, src in m.model_aliases.items():
         print(f"  {fqn:<{width}}  tied to {src}")
+    optim_bytes = 0
     if m.optimizer is not None:
         tensors = [r for _, r in m.all_tensors()[len(m.model) :]]
-        nbytes = sum(r.nbytes for r in tensors)
+        nbytes = optim_bytes = sum(r.nbytes for r in tensors)
         names = sorted({n for e in m.optimizer.state.values() for n in e})
         print(
             f"optimizer: {len(m.optimizer.param_groups)} param group(s), state for "
@@ -89,6 +90,8 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> int:
         )
     else:
         print("optimizer: none")
+    total = model_bytes + optim_bytes
+    print(f"total tensor bytes: {total} ({_human(total)})")
     print(f"extra keys: {sorted(m.extra)}")
     failed = [n for n, s in status.items() if s != "ok"]
     if not verify:
