@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard.checkpoint as ckpt
+from fullshard import CPUOffloadPolicy
 from fullshard.checkpoint.cli import export, main
 from fullshard.testing import run_distributed
 from test_checkpoint_models import (
@@ -85,6 +86,18 @@ def _train_and_save(root: str) -> dict[str, Any]:
     opt_d = make_optimizer(model_d)
     ckpt.load(handle.path, model=model_d, optimizer=opt_d)
     assert_same(local_state(model_d, opt_d), snapshot, "async save")
+
+    # CPU-offloaded shards (the engine's OffloadPolicy) checkpoint the same way.
+    policies = {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    model_p = make_model(seed=0, **policies)
+    opt_p = make_optimizer(model_p)
+    train_step(model_p, opt_p, 0)
+    ckpt.save(Path(root) / "policies" / "step_1", model=model_p, optimizer=opt_p)
+    model_q = make_model(seed=1, **policies)
+    opt_q = make_optimizer(model_q)
+    ckpt.load(Path(root) / "policies", model=model_q, optimizer=opt_q)
+    assert_same(local_state(model_q, opt_q), local_state(model_p, opt_p), "with policies")
+    assert train_step(model_q, opt_q, 1) == train_step(model_p, opt_p, 1)
 
     full_sd = ckpt.get_full_state_dict(model_b)
     expected = full_weights(model_b)

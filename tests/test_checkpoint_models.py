@@ -7,6 +7,8 @@ The model has dim-0 sizes that do not divide 2, 3 or 4 (13, 7, 6 -> empty shards
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -35,16 +37,19 @@ class TinyNet(nn.Module):
         return self.head(h)
 
 
-def make_model(seed: int = 0, mesh: DeviceMesh | None = None, units: bool = True) -> TinyNet:
+def make_model(
+    seed: int = 0, mesh: DeviceMesh | None = None, units: bool = True, **policies: Any
+) -> TinyNet:
     """TinyNet, fully sharded when torch.distributed is up: fc1, fc2 and the root as units
-    (``units=False``: one unit for the whole model, a different layout with the same FQNs)."""
+    (``units=False``: one unit for the whole model, a different layout with the same FQNs).
+    ``policies`` go to every ``fully_shard`` call (mp_policy=..., offload_policy=...)."""
     torch.manual_seed(seed)
     model = TinyNet()
     if dist.is_initialized():
         if units:
-            fully_shard(model.fc1, mesh=mesh)
-            fully_shard(model.fc2, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(model.fc1, mesh=mesh, **policies)
+            fully_shard(model.fc2, mesh=mesh, **policies)
+        fully_shard(model, mesh=mesh, **policies)
     return model
 
 
