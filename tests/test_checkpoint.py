@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard.checkpoint as ckpt
 from fullshard import CPUOffloadPolicy
+from fullshard.checkpoint import saving
 from fullshard.checkpoint.cli import export, main
 from fullshard.testing import run_distributed
 from test_checkpoint_models import (
@@ -87,6 +88,22 @@ def _train_and_save(root: str) -> dict[str, Any]:
     ckpt.load(handle.path, model=model_d, optimizer=opt_d)
     assert_same(local_state(model_d, opt_d), snapshot, "async save")
 
+    # A rank that fails mid-save (disk full, ...) fails the save on every rank; nothing is
+    # published and the partial directory is removed.
+    failing = Path(root) / "failing" / "step_1"
+    original = saving._write_blocks
+    if rank == 1:
+        saving._write_blocks = _disk_full  # type: ignore[assignment]
+    try:
+        ckpt.save(failing, model=model_b, optimizer=opt_b)
+        raise AssertionError("save should have failed")
+    except (OSError, RuntimeError) as e:
+        expected_error = "No space left" if rank == 1 else "failed on another rank"
+        assert expected_error in str(e), e
+    finally:
+        saving._write_blocks = original
+    assert not failing.exists() and not list(failing.parent.glob("*.partial"))
+
     # CPU-offloaded shards (the engine's OffloadPolicy) checkpoint the same way.
     policies = {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
     model_p = make_model(seed=0, **policies)
@@ -113,6 +130,10 @@ def _train_and_save(root: str) -> dict[str, Any]:
         "final": final,
         "next_eval": next_eval,
     }
+
+
+def _disk_full(*args: Any) -> Any:
+    raise OSError(28, "No space left on device (simulated)")
 
 
 def _resume(root: str) -> dict[str, Any]:

@@ -255,8 +255,10 @@ def _step(
             error = e
     if durability.all_ok(error is None, group):
         return
-    if cleanup is not None and rank_and_world()[0] == 0:
-        shutil.rmtree(cleanup, ignore_errors=True)
+    if cleanup is not None:
+        if rank_and_world()[0] == 0:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        durability.all_ok(True, group)  # every rank returns after the cleanup, not during it
     if error is not None:
         raise error
     raise RuntimeError(f"saving {final} failed on another rank (see its error); nothing published")
