@@ -243,3 +243,12 @@ def test_full_state_dict_with_only_one_tied_name(tmp_path: Path) -> None:
     assert torch.equal(model.emb.weight, source.emb.weight)
     with pytest.raises(ckpt.CheckpointError, match=r"shape mismatches \[fc1.bias"):
         ckpt.load_full_state_dict(model, {**sd, "fc1.bias": torch.zeros(3)})
+
+
+def test_optimizer_mismatch_is_reported_before_the_model_changes(good: Path) -> None:
+    model = TinyNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW([model.fc1.weight, model.fc1.bias])
+    with pytest.raises(ckpt.CheckpointError, match=r"only in checkpoint \['emb.weight'"):
+        ckpt.load(good, model=model, optimizer=opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -25,7 +25,7 @@ from .safetensors_io import ST_TO_DTYPE
 from .saving import wait_for_pending_save
 from .shards import Box, local_box, model_aliases, wrap_like
 
-__all__ = ["apply_model_state", "load", "load_optimizer_state"]
+__all__ = ["apply_model_state", "load", "optimizer_state_dict"]
 
 # model.load_state_dict is called once per this many bytes of local shards, bounding the extra
 # memory a load needs to about this much (plus one tensor).
@@ -61,9 +61,11 @@ def load(
 
     shapes = {k: v.shape for k, v in m.model.items()}
     shapes.update({k: m.model[v].shape for k, v in m.model_aliases.items()})
+    # Build the optimizer state first: a mismatch is reported before the model is touched.
+    optim_sd = None if optimizer is None else optimizer_state_dict(reader, model, optimizer)
     apply_model_state(model, source, shapes, where, strict=strict)
     if optimizer is not None:
-        load_optimizer_state(reader, model, optimizer)
+        optimizer.load_state_dict(optim_sd)  # type: ignore[arg-type]
     return copy.deepcopy(m.extra)
 
 
@@ -143,10 +145,11 @@ def _load_batch(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"model rejected keys {result.unexpected_keys}")
 
 
-def load_optimizer_state(
+def optimizer_state_dict(
     reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """Reshard the checkpoint's optimizer state onto ``optimizer``'s parameters (by FQN)."""
+) -> dict[str, Any]:
+    """The checkpoint's optimizer state resharded onto ``optimizer``'s parameters (matched by
+    FQN), as a state dict for ``optimizer.load_state_dict``."""
     m: Manifest = reader.manifest
     where = str(reader.path)
     if m.optimizer is None:
@@ -180,7 +183,7 @@ def load_optimizer_state(
                     name: _state_value(reader, fqn, name, v, p) for name, v in entries.items()
                 }
             index += 1
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
 def _state_value(reader: CheckpointReader, fqn: str, name: str, v: Any, param: torch.Tensor) -> Any:
