@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CollectiveError",
     "CollectiveRecord",
     "CollectiveStats",
     "Handle",
@@ -100,21 +101,43 @@ def count_collectives() -> Iterator[CollectiveStats]:
         _active.remove(stats)
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names it, its unit and this rank."""
+
+    def __init__(self, context: str, waited: float, cause: BaseException) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        super().__init__(
+            f"rank {rank}: {context} failed after {waited:.1f}s: {cause}\n"
+            f"Another rank probably stopped participating (crashed, hung, or took a different "
+            f"code path and skipped this unit). The timeout is the process group's: "
+            f"init_process_group(timeout=...) or `fullshard train --collective-timeout`."
+        )
+
+
 class Handle:
     """An in-flight collective; :meth:`wait` blocks until it completes (idempotent)."""
 
-    __slots__ = ("_then", "_work")
+    __slots__ = ("_context", "_then", "_work")
 
-    def __init__(self, work: Any | None, then: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        work: Any | None,
+        then: Callable[[], object] | None = None,
+        context: str = "",
+    ) -> None:
         self._work = work
         self._then = then  # runs once the collective has finished (e.g. a copy-out)
+        self._context = context  # what to name in errors: kind, unit, group size
 
     def wait(self) -> None:
         """Block until the collective has finished; record the time spent waiting."""
         if self._work is None:
             return
         start = time.perf_counter()
-        self._work.wait()
+        try:
+            self._work.wait()
+        except RuntimeError as e:
+            raise CollectiveError(self._context, time.perf_counter() - start, e) from e
         waited = time.perf_counter() - start
         for stats in _active:
             stats.wait_seconds += waited
@@ -151,8 +174,36 @@ def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
+def _start(
+    kind: str,
+    call: str,
+    what: str,
+    group_size: int,
+    *args: Any,
+    then: Callable[[], object] | None = None,
+    async_op: bool = True,
+    **kwargs: Any,
+) -> Handle:
+    """Issue ``call`` and wrap it in a Handle whose errors name ``kind`` and ``what``."""
+    context = f"{kind} of {what or 'a tensor'} (group of {group_size} ranks)"
+    start = time.perf_counter()
+    try:
+        work = _issue(call, *args, async_op=async_op, **kwargs)
+    except RuntimeError as e:
+        raise CollectiveError(context, time.perf_counter() - start, e) from e
+    handle = Handle(work, then=then, context=context)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = True
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    async_op: bool = True,
+    what: str = "",
 ) -> Handle:
     """Gather every rank's ``input`` (1-D, equal sizes) into ``output`` (rank-major)."""
     size = dist.get_world_size(group) if group is not None else 1
@@ -166,7 +217,9 @@ def all_gather(
             output.copy_(input)
         return Handle(None)
     _record("all_gather", output, size)
-    return Handle(_issue("all_gather", output, input, group=group, async_op=async_op))
+    return _start(
+        "all_gather", "all_gather", what, size, output, input, group=group, async_op=async_op
+    )
 
 
 def _reduce_scatter_algorithm(group: ProcessGroup) -> str:
@@ -183,6 +236,7 @@ def reduce_scatter(
     *,
     async_op: bool = True,
     algorithm: str = "auto",
+    what: str = "",
 ) -> Handle:
     """Sum ``input`` (1-D, rank-major chunks) across ranks; this rank's chunk lands in ``output``.
 
@@ -206,17 +260,29 @@ def reduce_scatter(
         algorithm = _reduce_scatter_algorithm(group)
     _record("reduce_scatter", input, size, algorithm)
     if algorithm == "all_reduce":
-        rank = dist.get_rank(group)
-        work = _issue("all_reduce", input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        chunk = input.view(size, -1)[rank]
-        handle = Handle(work, then=lambda: output.copy_(chunk))
-        if not async_op:
-            handle.wait()
-        return handle
-    work = _issue(
-        "reduce_scatter", output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        chunk = input.view(size, -1)[dist.get_rank(group)]
+        return _start(
+            "reduce_scatter",
+            "all_reduce",
+            what,
+            size,
+            input,
+            op=dist.ReduceOp.SUM,
+            group=group,
+            async_op=async_op,
+            then=lambda: output.copy_(chunk),
+        )
+    return _start(
+        "reduce_scatter",
+        "reduce_scatter",
+        what,
+        size,
+        output,
+        input,
+        op=dist.ReduceOp.SUM,
+        group=group,
+        async_op=async_op,
     )
-    return Handle(work)
 
 
 def all_reduce(
@@ -225,10 +291,13 @@ def all_reduce(
     *,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = True,
+    what: str = "",
 ) -> Handle:
     """Reduce ``tensor`` in place across the ranks of ``group`` (SUM by default)."""
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
         return Handle(None)
     _record("all_reduce", tensor, size)
-    return Handle(_issue("all_reduce", tensor, op=op, group=group, async_op=async_op))
+    return _start(
+        "all_reduce", "all_reduce", what, size, tensor, op=op, group=group, async_op=async_op
+    )

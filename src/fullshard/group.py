@@ -54,6 +54,7 @@ class _PendingReduce:
     replicate_group: dist.ProcessGroup | None
     divide_after: float
     send: torch.Tensor | None  # the packed input; gloo reads it until the collective ends
+    what: str  # for error messages
     allreduce_issued: bool = False
 
     def advance(self) -> None:
@@ -61,7 +62,7 @@ class _PendingReduce:
         if self.replicate_group is not None and not self.allreduce_issued:
             self.handle.wait()
             self.send = None
-            self.handle = C.all_reduce(self.output, self.replicate_group)
+            self.handle = C.all_reduce(self.output, self.replicate_group, what=self.what)
             self.allreduce_issued = True
 
     def finish(self) -> None:
@@ -237,7 +238,7 @@ class ParamGroup:
                 else:
                     inp = self._pack_shards(wire)
             out = torch.empty(inp.numel() * ranks, dtype=inp.dtype, device=self.device)
-            handle = C.all_gather(out, inp, group, async_op=async_op)
+            handle = C.all_gather(out, inp, group, async_op=async_op, what=f"unit {self.name!r}")
         self._gather = (handle, out, inp)
 
     def wait_for_unshard(self) -> None:
@@ -363,12 +364,13 @@ class ParamGroup:
             if pre != 1.0:
                 send.div_(pre)
             out = torch.empty(total, dtype=dtype, device=self.device)
-            handle = C.reduce_scatter(out, send.view(-1), self.info.shard_group)
+            what = f"gradients of unit {self.name!r}"
+            handle = C.reduce_scatter(out, send.view(-1), self.info.shard_group, what=what)
         replicate = self.info.replicate_group if self.requires_all_reduce else None
         if self.info.replicate_size == 1:
             replicate = None
         params = [sp for sp, _ in ready]
-        return _PendingReduce(handle, out, params, offsets, replicate, factor / pre, send)
+        return _PendingReduce(handle, out, params, offsets, replicate, factor / pre, send, what)
 
     def finish_backward(self) -> None:
         """End of backward: drop per-backward counters; free anything still gathered."""
