@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import torch.distributed as dist
-from parity import batch, loss_fn, make_net, shard_net
 
 from fullshard.collectives import CollectiveError
 from fullshard.testing import ChildFailed, run_distributed
+from parity import batch, loss_fn, make_net, shard_net
 
 
 def _stuck_rank() -> str:

@@ -65,8 +65,8 @@ def _child(
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     try:
-        kwargs = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, **kwargs)
+        timeout = None if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
         out = fn(*args)
         # Plain pickle: tensors travel as bytes, not as shared-memory handles that die with us.
         results.put((rank, "ok", pickle.dumps(out)))
