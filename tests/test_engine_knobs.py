@@ -100,7 +100,7 @@ def _knobs() -> dict:
 
     # bad input
     errors = {}
-    with pytest.raises(TypeError, match="nn.Module") as e:
+    with pytest.raises(TypeError, match=r"nn\.Module") as e:
         fully_shard("not a module")  # type: ignore[arg-type]
     errors["non_module"] = str(e.value)
     mixed = _TwoLinear()
