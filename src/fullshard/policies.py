@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["CPUOffloadPolicy", "CommPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
 @dataclass(frozen=True)
@@ -43,3 +43,34 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """Low-precision communication with full-precision masters and accumulation (beyond FSDP2).
+
+    - ``all_gather_dtype``: dtype parameters travel in during all-gathers: ``torch.bfloat16``
+      (2x fewer bytes than fp32) or ``torch.int8`` (block-wise absmax quantisation, one fp32
+      scale per ``block_size`` elements: ~3.9x fewer bytes). Gathered values are dequantised
+      into the compute dtype (``MixedPrecisionPolicy.param_dtype`` or the parameter's own).
+    - ``reduce_dtype``: dtype of the gradient reduce-scatter (e.g. ``torch.bfloat16``); the
+      sharded gradient is accumulated in the parameter's dtype (fp32 masters).
+
+    ``None`` leaves that collective as the mixed-precision policy says.
+    """
+
+    all_gather_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        allowed = (None, torch.bfloat16, torch.float16, torch.int8, torch.float32)
+        if self.all_gather_dtype not in allowed:
+            raise ValueError(
+                f"CommPolicy.all_gather_dtype must be one of bfloat16, float16, int8, float32 "
+                f"or None, got {self.all_gather_dtype}"
+            )
+        if self.reduce_dtype == torch.int8:
+            raise ValueError("CommPolicy.reduce_dtype cannot be int8: sums need a float type")
+        if self.block_size < 1:
+            raise ValueError(f"CommPolicy.block_size must be >= 1, got {self.block_size}")

@@ -14,6 +14,7 @@ fullshard code the same way.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -64,7 +65,8 @@ def _child(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(*args)
-        results.put((rank, "ok", out))
+        # Plain pickle: tensors travel as bytes, not as shared-memory handles that die with us.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt in the child
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -130,11 +132,12 @@ def run_distributed(
                     errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
                 continue
             if status == "ok":
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
                 # One rank failing usually leaves the others stuck in a collective: stop early.
                 deadline = min(deadline, time.monotonic() + 10.0)
+        __tracebackhide__ = True  # pytest: show the child's traceback, not this loop
         if errors:
             raise ChildFailed(f"{getattr(fn, '__name__', fn)} failed" + _format_errors(errors))
         return [outputs[r] for r in range(world_size)]

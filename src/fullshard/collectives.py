@@ -1,0 +1,200 @@
+"""Every collective fullshard issues goes through this module — and is counted here.
+
+The functions are thin and stateless: they issue one ``torch.distributed`` collective
+(asynchronously by default) and report what they sent to any active :class:`CollectiveStats`
+recorder (see :func:`count_collectives`). Tests spy on traffic by using that recorder or by
+patching :func:`_issue`, the single function that talks to ``torch.distributed``.
+
+Byte accounting ("bytes on the wire" as the ZeRO papers count them): an all-gather counts its
+full output, a reduce-scatter its full input, an all-reduce its tensor. With this convention
+ZeRO-3 moves 3 x parameter bytes per step (two all-gathers and one reduce-scatter).
+
+A group of size 1 issues nothing: all-gather and reduce-scatter become local copies and the
+all-reduce a no-op, so world size 1 runs the same code path without communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveRecord",
+    "CollectiveStats",
+    "Handle",
+    "all_gather",
+    "all_reduce",
+    "count_collectives",
+    "reduce_scatter",
+]
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as issued: its kind, bytes on the wire, dtype and group size."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    nbytes: int
+    dtype: torch.dtype
+    group_size: int
+
+
+@dataclass
+class CollectiveStats:
+    """Calls, bytes and waiting time per kind, accumulated while the recorder is active."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+    wait_seconds: float = 0.0
+
+    def calls(self, kind: str | None = None) -> int:
+        """Number of collectives of ``kind`` (all kinds when ``None``)."""
+        return sum(1 for r in self.records if kind is None or r.kind == kind)
+
+    def bytes(self, kind: str | None = None) -> int:
+        """Bytes on the wire of ``kind`` (all kinds when ``None``)."""
+        return sum(r.nbytes for r in self.records if kind is None or r.kind == kind)
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        """``{kind: {"calls": n, "bytes": b}}`` — the shape benchmarks print."""
+        calls: Counter[str] = Counter()
+        nbytes: Counter[str] = Counter()
+        for r in self.records:
+            calls[r.kind] += 1
+            nbytes[r.kind] += r.nbytes
+        return {k: {"calls": calls[k], "bytes": nbytes[k]} for k in calls}
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        self.records.clear()
+        self.wait_seconds = 0.0
+
+
+# Recorders currently listening. Explicit and scoped by ``count_collectives``; nothing else
+# in fullshard keeps module-level state.
+_active: list[CollectiveStats] = []
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveStats]:
+    """Record every collective fullshard issues inside the ``with`` block.
+
+    >>> with count_collectives() as stats:
+    ...     loss = model(x).sum(); loss.backward()
+    >>> stats.calls("reduce_scatter")
+    """
+    stats = CollectiveStats()
+    _active.append(stats)
+    try:
+        yield stats
+    finally:
+        _active.remove(stats)
+
+
+class Handle:
+    """An in-flight collective; :meth:`wait` blocks until it completes (idempotent)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any | None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        """Block until the collective has finished; record the time spent waiting."""
+        if self._work is None:
+            return
+        start = time.perf_counter()
+        self._work.wait()
+        waited = time.perf_counter() - start
+        for stats in _active:
+            stats.wait_seconds += waited
+        self._work = None
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has returned (or nothing was ever in flight)."""
+        return self._work is None
+
+
+def _record(kind: str, tensor: torch.Tensor, group_size: int) -> None:
+    if not _active:
+        return
+    rec = CollectiveRecord(kind, tensor.numel() * tensor.element_size(), tensor.dtype, group_size)
+    for stats in _active:
+        stats.records.append(rec)
+
+
+def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
+    """The one place that calls ``torch.distributed``; returns its Work (or None if sync)."""
+    if kind == "all_gather":
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    elif kind == "reduce_scatter":
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    elif kind == "all_reduce":
+        fn = dist.all_reduce
+    else:  # pragma: no cover - internal misuse
+        raise ValueError(f"unknown collective kind {kind!r}")
+    return fn(*args, **kwargs)
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = True
+) -> Handle:
+    """Gather every rank's ``input`` (1-D, equal sizes) into ``output`` (rank-major)."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if output.numel() != input.numel() * size:
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected "
+            f"{input.numel()} x {size} ranks = {input.numel() * size}"
+        )
+    if size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle(None)
+    _record("all_gather", output, size)
+    return Handle(_issue("all_gather", output, input, group=group, async_op=async_op))
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = True
+) -> Handle:
+    """Sum ``input`` (1-D, rank-major chunks) across ranks; this rank's chunk lands in ``output``."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if input.numel() != output.numel() * size:
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected "
+            f"{output.numel()} x {size} ranks = {output.numel() * size}"
+        )
+    if size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle(None)
+    _record("reduce_scatter", input, size)
+    return Handle(
+        _issue(
+            "reduce_scatter", output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+    )
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = True,
+) -> Handle:
+    """Reduce ``tensor`` in place across the ranks of ``group`` (SUM by default)."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return Handle(None)
+    _record("all_reduce", tensor, size)
+    return Handle(_issue("all_reduce", tensor, op=op, group=group, async_op=async_op))

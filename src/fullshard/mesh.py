@@ -1,0 +1,87 @@
+"""DeviceMesh helpers: the default mesh, validation, and the groups one unit communicates in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+__all__ = ["MeshInfo", "default_mesh", "mesh_info"]
+
+
+def _device_type() -> str:
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return "cuda"
+    return "cpu"
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over every rank of the default process group (``cuda`` with NCCL, else ``cpu``).
+
+    Raises a clear error if ``torch.distributed`` is not initialised.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed to be initialised: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
+            "or pass mesh=... explicitly"
+        )
+    return init_device_mesh(_device_type(), (dist.get_world_size(),))
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """How one unit shards and replicates: the groups and this rank's place in them."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_rank: int
+    shard_size: int
+    replicate_group: dist.ProcessGroup | None  # set for HSDP (2-D mesh)
+    replicate_size: int
+    placements: tuple[Placement, ...]  # of the sharded parameters
+
+    @property
+    def device(self) -> torch.device:
+        """The device the mesh computes on (``cuda:<local>`` or ``cpu``)."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
+
+def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Validate ``mesh`` against the process group and describe it.
+
+    A 1-D mesh shards over all of its ranks; a 2-D mesh is (replicate, shard) — HSDP.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
+        )
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the process group "
+            f"has {world}: build it with init_device_mesh(device_type, shape) whose product is "
+            f"{world}"
+        )
+    if mesh.ndim == 1:
+        group = mesh.get_group(0)
+        return MeshInfo(mesh, group, mesh.get_local_rank(0), mesh.size(0), None, 1, (Shard(0),))
+    if mesh.ndim == 2:
+        return MeshInfo(
+            mesh,
+            mesh.get_group(1),
+            mesh.get_local_rank(1),
+            mesh.size(1),
+            mesh.get_group(0),
+            mesh.size(0),
+            (Replicate(), Shard(0)),
+        )
+    raise ValueError(
+        f"fully_shard supports a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got a "
+        f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+    )
