@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -25,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from fullshard import checkpoint as ckpt
+from fullshard import clip_grad_norm_
 from fullshard.train import data as data_mod
 from fullshard.train.config import TrainConfig, to_toml
 from fullshard.train.metrics import MetricsLog, Progress, plot
@@ -61,20 +62,45 @@ class DistEnv:
         return self.rank == 0
 
 
+def _rendezvous_store(rank: int, world: int, restart_count: int) -> dist.Store | None:
+    """The store the process group meets in, namespaced by the elastic attempt.
+
+    [Note: stale keys after an elastic restart] torchrun's agent shares one TCPStore with its
+    workers across restarts, and the default process group writes the same keys every
+    attempt, so a restarted rank can read a dead peer's address and fail to connect. A
+    per-attempt prefix keeps each attempt's keys apart. ``None`` outside torchelastic.
+    """
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "MASTER_ADDR" not in env:
+        return None
+    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts and rank == 0,
+        timeout=timedelta(minutes=10),
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"fullshard/attempt_{restart_count}", store)
+
+
 def init_distributed(cfg: TrainConfig) -> DistEnv:
     """Join the process group torchrun set up (NCCL on GPUs, gloo on CPUs)."""
     env = os.environ
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
+    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    store = _rendezvous_store(rank, world, restarts)
+    kwargs: dict[str, Any] = {} if store is None else {"store": store, "rank": rank, "world_size": world}
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **kwargs)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        dist.init_process_group("gloo", **kwargs)
     return DistEnv(rank, world, local_rank, restarts, device)
 
 
@@ -107,17 +133,6 @@ def _resume_path(cfg: TrainConfig, root: Path, restart_count: int) -> Path | Non
     return Path(cfg.resume)
 
 
-def _rotate(root: Path, keep: int, current: Path) -> None:
-    if keep <= 0:
-        return
-    import shutil
-
-    saved = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in saved[:-keep]:
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env: DistEnv) -> float:
     starts = data_mod.eval_starts(
         len(data.eval), seq_len=cfg.seq_len, count=cfg.eval_batches * cfg.global_batch
@@ -144,10 +159,7 @@ def _grad_norm_and_clip(model: nn.Module, max_norm: float, unscale: float) -> fl
     if unscale != 1.0:
         for p in params:
             p.grad.mul_(unscale)  # type: ignore[union-attr]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    return float(clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf))
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> int:
@@ -176,6 +188,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     meta = cfg.init == "meta" or (cfg.init == "auto" and n_params > META_INIT_THRESHOLD)
     model = meta_model if meta else build_model(cfg)
     del meta_model
+    kind = f"HF {type(model).__name__}" if cfg.uses_hf else "GPT"
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     plan = ParallelPlan(
         mixed_precision=cfg.mixed_precision,
@@ -202,7 +215,6 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         tokens_seen = int(extra.get("tokens", 0))
         sampler.load_state_dict(extra["sampler"])
         scaler.load_state_dict(extra.get("scaler", {}))
-    kind = "HF " + type(model).__name__ if cfg.uses_hf else "GPT"
     say(
         f"fullshard train: {cfg.resolved_name()} | {kind}, {n_params / 1e6:.2f}M parameters | "
         f"{env.world_size} rank(s) on {env.device.type} | global batch {cfg.global_batch} x "
@@ -239,9 +251,15 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             "scaler": scaler.state_dict(),
             "world_size": env.world_size,
         }
-        ckpt.save(path, model=model, optimizer=optimizer, extra=extra)
-        if env.is_main:
-            _rotate(ckpt_root, cfg.keep_last, path)
+        # overwrite: after an elastic restart the group may redo (and re-save) a step.
+        ckpt.save(
+            path,
+            model=model,
+            optimizer=optimizer,
+            extra=extra,
+            overwrite=True,
+            keep_last=cfg.keep_last or None,
+        )
         return path
 
     while step < cfg.max_steps:

@@ -34,7 +34,7 @@ def _params_on_meta() -> Iterator[None]:
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None:
+        if param is not None and not param.is_meta:  # a tied (already meta) one stays tied
             kind = type(param)
             meta = param.to("meta")
             module._parameters[name] = kind(meta, requires_grad=param.requires_grad)
