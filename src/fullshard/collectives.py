@@ -197,6 +197,27 @@ def _start(
     return handle
 
 
+def _local_or_size(
+    kind: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    output_is_full: bool,
+) -> int:
+    """Check the 1-D sizes of a gather/scatter pair; on one rank, do the local copy instead."""
+    size = dist.get_world_size(group) if group is not None else 1
+    full, part = (output, input) if output_is_full else (input, output)
+    if full.numel() != part.numel() * size:
+        raise ValueError(
+            f"{kind}: the full buffer has {full.numel()} elements, expected "
+            f"{part.numel()} x {size} ranks = {part.numel() * size}"
+        )
+    if size == 1 and output.data_ptr() != input.data_ptr():
+        output.copy_(input)
+    return size
+
+
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -206,15 +227,8 @@ def all_gather(
     what: str = "",
 ) -> Handle:
     """Gather every rank's ``input`` (1-D, equal sizes) into ``output`` (rank-major)."""
-    size = dist.get_world_size(group) if group is not None else 1
-    if output.numel() != input.numel() * size:
-        raise ValueError(
-            f"all_gather: output has {output.numel()} elements, expected "
-            f"{input.numel()} x {size} ranks = {input.numel() * size}"
-        )
+    size = _local_or_size("all_gather", output, input, group, output_is_full=True)
     if size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
         return Handle(None)
     _record("all_gather", output, size)
     return _start(
@@ -245,15 +259,8 @@ def reduce_scatter(
     the backend). Either way the record's kind is ``reduce_scatter`` and its bytes the ZeRO
     payload (the input buffer); ``CollectiveRecord.algorithm`` names the call used.
     """
-    size = dist.get_world_size(group) if group is not None else 1
-    if input.numel() != output.numel() * size:
-        raise ValueError(
-            f"reduce_scatter: input has {input.numel()} elements, expected "
-            f"{output.numel()} x {size} ranks = {output.numel() * size}"
-        )
+    size = _local_or_size("reduce_scatter", output, input, group, output_is_full=False)
     if size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
         return Handle(None)
     assert group is not None
     if algorithm == "auto":

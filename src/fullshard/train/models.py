@@ -110,7 +110,9 @@ class Units:
 def units_of(model: nn.Module) -> Units:
     """The sharding units of a GPT or HF causal LM, the torchtitan way."""
     if isinstance(model, GPT):
-        return Units(layers=list(model.blocks), embeddings=None if model.cfg.tie_embeddings else model.embed)
+        return Units(
+            layers=list(model.blocks), embeddings=None if model.cfg.tie_embeddings else model.embed
+        )
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     emb = get_in() if get_in else None
