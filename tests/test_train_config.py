@@ -16,7 +16,7 @@ import pytest
 
 from fullshard.train import cli, launch
 from fullshard.train import data as data_mod
-from fullshard.train.config import ConfigError, TrainConfig, field_help, flag, from_toml, to_toml
+from fullshard.train.config import ConfigError, TrainConfig, field_help, flag, to_toml
 from fullshard.train.metrics import MetricsLog, Progress, read_metrics
 from fullshard.train.optim import lr_at
 from fullshard.train.presets import PRESETS, get_preset
@@ -128,7 +128,8 @@ def test_bad_values_fail_fast(
     _fails([*run, "--global-batch", "9"], capsys, "--global-batch 9", "divisible")
     _fails([*run, "--d-model", "65"], capsys, "--d-model", "--n-head")
     (tmp_path / "file").write_text("x")
-    _fails(["--preset", "tiny", "--run-dir", str(tmp_path / "file" / "run")], capsys, "--run-dir", "not writable")
+    unwritable = ["--preset", "tiny", "--run-dir", str(tmp_path / "file" / "run")]
+    _fails(unwritable, capsys, "--run-dir", "not writable")
     _fails([*run, "--max-stepz", "3"], capsys, "--max-stepz", "did you mean --max-steps")
     _fails([*run, "--hf-config", "{not json"], capsys, "--hf-config")
     _fails([*run, "--hf-config", '{"hidden_size": 8}'], capsys, "--hf-config", "model_type")
@@ -143,9 +144,13 @@ def test_bad_flag_exits_before_spawning(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--max-steps", "-1",
-         "--run-dir", str(tmp_path / "r")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+        [sys.executable, *"-m fullshard.cli train --preset tiny --max-steps -1".split()]
+        + ["--run-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "--max-steps must be a positive integer, got -1" in proc.stderr
@@ -189,7 +194,7 @@ def test_sampler_is_deterministic_and_resumes_mid_epoch() -> None:
 def test_rank_slices_tile_the_global_batch() -> None:
     for world in (1, 2, 4):
         rows = [list(range(8))[data_mod.rank_slice(8, r, world)] for r in range(world)]
-        assert sum(rows, []) == list(range(8))
+        assert [i for row in rows for i in row] == list(range(8))
 
 
 def test_bin_data_and_eval_split(tmp_path: Path) -> None:
@@ -218,7 +223,8 @@ def test_metrics_log_cuts_back_to_the_resumed_step(tmp_path: Path) -> None:
     log = MetricsLog(path, resume_step=3)
     log.write("train", step=4, loss=2.0)
     log.close()
-    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+    kept = [(r["step"], r["loss"]) for r in read_metrics(path)]
+    assert kept == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
 
 
 def test_progress_bar_and_lines() -> None:

@@ -108,9 +108,7 @@ def _unknown_flags_error(parser: argparse.ArgumentParser, unknown: list[str]) ->
         name = arg.split("=", 1)[0]
         close = difflib.get_close_matches(name, known, n=1) if name.startswith("-") else []
         parts.append(f"{arg!r}" + (f" (did you mean {close[0]}?)" if close else ""))
-    return ConfigError(
-        f"unrecognized argument(s): {', '.join(parts)}; see fullshard train --help"
-    )
+    return ConfigError(f"unrecognized argument(s): {', '.join(parts)}; see fullshard train --help")
 
 
 def parse_config(argv: list[str]) -> TrainConfig:

@@ -47,9 +47,7 @@ def embedded_corpus_files() -> list[Path]:
     """The standard library's ``.py`` files (tests and site-packages excluded), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [
-        p
-        for p in root.rglob("*.py")
-        if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+        p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
     ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
@@ -136,7 +134,9 @@ def check_size(tokens: int, *, seq_len: int, eval_fraction: float, source: str) 
     n_eval = int(tokens * eval_fraction)
     need = seq_len + 1
     if tokens - n_eval < need or (eval_fraction > 0 and n_eval < need):
-        total_need = need if eval_fraction == 0 else int(need / min(eval_fraction, 1 - eval_fraction)) + 1
+        total_need = (
+            need if eval_fraction == 0 else int(need / min(eval_fraction, 1 - eval_fraction)) + 1
+        )
         raise DataError(
             f"--data: the corpus {source!r} has {tokens} tokens, too few for one "
             f"{need}-token window (--seq-len {seq_len}) in both the training part and the "

@@ -71,13 +71,17 @@ def make_config(raw: dict[str, Any]) -> Any:
     try:
         return transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as e:
-        raise HFError(f"--hf-config: transformers cannot build model_type {model_type!r}: {e}") from None
+        raise HFError(
+            f"--hf-config: transformers cannot build model_type {model_type!r}: {e}"
+        ) from None
 
 
 def vocab_and_context(raw: dict[str, Any]) -> tuple[int, int | None]:
     """The config's vocabulary size and maximum context (``None`` when it sets none)."""
     config = make_config(raw)
-    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    context = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
     return int(config.vocab_size), context
 
 

@@ -92,7 +92,9 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     local_rank = int(env.get("LOCAL_RANK", "0"))
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = _rendezvous_store(rank, world, restarts)
-    kwargs: dict[str, Any] = {} if store is None else {"store": store, "rank": rank, "world_size": world}
+    kwargs: dict[str, Any] = (
+        {} if store is None else {"store": store, "rank": rank, "world_size": world}
+    )
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", local_rank)
@@ -140,7 +142,7 @@ def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env
     mine = starts.reshape(cfg.eval_batches, cfg.global_batch)[
         :, data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
     ].reshape(-1)
-    total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)  # [sum of losses, count]
     model.eval()
     with torch.no_grad():
         for i in range(0, len(mine), cfg.micro_batch):
@@ -148,7 +150,8 @@ def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env
             batch = batch.to(env.device)
             logits = logits_of(model, batch[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            total += torch.stack([loss.double() * len(batch), torch.tensor(len(batch), dtype=torch.float64, device=env.device)])
+            total[0] += loss.double() * len(batch)
+            total[1] += len(batch)
     model.train()
     dist.all_reduce(total)
     return float(total[0] / total[1])
@@ -174,7 +177,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
 
     # ---- data
     tokens = data_mod.load_tokens(cfg.data, data_dtype=cfg.data_dtype, vocab_size=cfg.vocab_size)
-    data = data_mod.TokenData.split(tokens, cfg.eval_fraction, byte_level=tokens.dtype.itemsize == 1)
+    data = data_mod.TokenData.split(
+        tokens, cfg.eval_fraction, byte_level=tokens.dtype.itemsize == 1
+    )
     sampler = data_mod.Sampler(
         len(data.train), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed
     )
@@ -234,12 +239,16 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             resumed_from=str(resume_from) if resume_from else None,
             parameters=n_params,
         )
-    progress = Progress(total=cfg.max_steps, start=start_step, mode=cfg.progress, log_every=cfg.log_every)
+    progress = Progress(
+        total=cfg.max_steps, start=start_step, mode=cfg.progress, log_every=cfg.log_every
+    )
 
     # ---- loop
     t_start = time.monotonic()
     step, reason, skipped_in_a_row = start_step, "done", 0
-    last_saved: Path | None = resume_from if resume_from and resume_from.parent == ckpt_root else None
+    last_saved: Path | None = (
+        resume_from if resume_from and resume_from.parent == ckpt_root else None
+    )
     last_eval = -1
 
     def save(at: int) -> Path:
@@ -265,10 +274,17 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     while step < cfg.max_steps:
         t0 = time.perf_counter()
         step += 1
-        lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, total=cfg.max_steps, min_ratio=cfg.min_lr_ratio)
+        lr = lr_at(
+            step,
+            lr=cfg.lr,
+            warmup=cfg.warmup_steps,
+            total=cfg.max_steps,
+            min_ratio=cfg.min_lr_ratio,
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = sampler.next_batch()[data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)]
+        mine_rows = data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
+        starts = sampler.next_batch()[mine_rows]
         batch = data_mod.gather_windows(data.train, starts, cfg.seq_len).to(env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
@@ -322,7 +338,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         stop_code = int(stats[:, 2].max())  # the same on every rank
         if stop_code:
             reason = "signal" if stop_code == 2 else "time_budget"
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and len(data.eval):
+        eval_due = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+        if eval_due and len(data.eval):
             eval_loss = _eval_loss(model, data, cfg, env)
             last_eval = step
             if log:
@@ -337,7 +354,12 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
 
     if step > start_step and (last_saved is None or last_saved.name != f"step_{step:08d}"):
         last_saved = save(step)
-    if reason == "done" and cfg.eval_every and step not in (last_eval, start_step) and len(data.eval):
+    if (
+        reason == "done"
+        and cfg.eval_every
+        and step not in (last_eval, start_step)
+        and len(data.eval)
+    ):
         eval_loss = _eval_loss(model, data, cfg, env)
         if log:
             log.write("eval", step=step, loss=eval_loss)
@@ -345,7 +367,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     if reason == "done" and cfg.sample_tokens:
         _print_sample(model, cfg, data, env)
     if log:
-        log.write("stop", step=step, reason=reason, checkpoint=str(last_saved) if last_saved else None)
+        log.write(
+            "stop", step=step, reason=reason, checkpoint=str(last_saved) if last_saved else None
+        )
         log.close()
         plot(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if reason == "done":
@@ -361,7 +385,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     return 0
 
 
-def _print_sample(model: nn.Module, cfg: TrainConfig, data: data_mod.TokenData, env: DistEnv) -> None:
+def _print_sample(
+    model: nn.Module, cfg: TrainConfig, data: data_mod.TokenData, env: DistEnv
+) -> None:
     prompt = list(cfg.sample_prompt.encode()) if data.byte_level else []
     model.eval()
     out = generate(

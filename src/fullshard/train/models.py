@@ -39,11 +39,11 @@ def _params_on_meta() -> Iterator[None]:
             meta = param.to("meta")
             module._parameters[name] = kind(meta, requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    setattr(nn.Module, "register_parameter", register)  # noqa: B010 (patching a method)
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", original)  # noqa: B010
 
 
 def gpt_config(cfg: TrainConfig) -> GPTConfig:
@@ -110,7 +110,9 @@ class Units:
 def units_of(model: nn.Module) -> Units:
     """The sharding units of a GPT or HF causal LM, the torchtitan way."""
     if isinstance(model, GPT):
-        return Units(layers=list(model.blocks), embeddings=None if model.cfg.tie_embeddings else model.embed)
+        return Units(
+            layers=list(model.blocks), embeddings=None if model.cfg.tie_embeddings else model.embed
+        )
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     emb = get_in() if get_in else None
