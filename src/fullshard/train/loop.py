@@ -240,7 +240,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             parameters=n_params,
         )
     progress = Progress(
-        total=cfg.max_steps, start=start_step, mode=cfg.progress, log_every=cfg.log_every
+        total=cfg.max_steps,
+        start=start_step,
+        mode=cfg.progress,
+        log_every=cfg.log_every,
+        time_budget=cfg.time_budget,
     )
 
     # ---- loop
