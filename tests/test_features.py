@@ -151,6 +151,29 @@ def _hsdp_offload_clip() -> dict:
         counts.append(sorted((r.kind, r.group_size) for r in stats.records))
     out["hsdp"] = (losses, full_state(model), counts)
 
+    # HSDP accumulation: the first micro-batch reduce-scatters but skips the all-reduce
+    model = shard_net(make_net(), mesh=mesh)
+    opt = make_optimizer(model)
+    rank, per = dist.get_rank(), GLOBAL_BATCH // world
+    losses, counts = [], []
+    for step in range(3):
+        x, y = batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        total = torch.zeros(())
+        with count_collectives() as stats:
+            for i in range(2):
+                model.set_requires_all_reduce(i == 1)
+                half = slice(i * per // 2, (i + 1) * per // 2)
+                loss = loss_fn(model(x[half]), y[half]) / 2
+                loss.backward()
+                total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+        counts.append((stats.calls("reduce_scatter"), stats.calls("all_reduce")))
+    out["hsdp_accum"] = (losses, counts)
+
     # CPU offload (works on a CPU-only build; torch FSDP2 fails there)
     model = shard_net(make_net(), offload_policy=CPUOffloadPolicy())
     opt = make_optimizer(model)
@@ -236,6 +259,10 @@ def test_hsdp_offload_clip_divide() -> None:
         [("all_gather", 2)] * (4 + 3) + [("reduce_scatter", 2)] * 4 + [("all_reduce", 2)] * 4
     )
     assert all(c == expected for c in r["hsdp"][2]), r["hsdp"][2][0]
+    losses, counts = r["hsdp_accum"]
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) / abs(b) < 1e-5, f"hsdp accumulation: {a} vs {b}"
+    assert counts == [(8, 4)] * 3, counts  # 2 micro-batches x 4 units; all-reduce once
     assert r["offload"][2] == ["cpu"]
     for (mesh_name, norm_type), (norm, torch_norm, calls, grads) in r["clip"].items():
         ref_norm, ref_grads = _reference_clip(norm_type)

@@ -105,6 +105,8 @@ class FSDPState:
         names = {id(m): n for root in self.modules for n, m in root.named_modules()}
         meta: list[str] = []
         for st in self.states:
+            unit = names.get(id(st.modules[0]), "")
+            st.group.name = unit or f"{type(st.modules[0]).__name__} (root)"
             for sp in st.group.params:
                 sp.sync_from_modules()
                 module, attr = sp.refs[0]

@@ -1,0 +1,127 @@
+"""``fullshard bench``: fullshard vs torch FSDP2 vs DDP vs one process, side by side.
+
+Examples::
+
+    fullshard bench                       # the `speed` config on 2 ranks
+    fullshard bench --config comm --json  # communication-bound config, machine-readable
+    fullshard bench --config memory       # ~150M params on 1, 2 and 4 ranks
+    fullshard bench --all --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from fullshard.bench.configs import ALL_MODES, CONFIGS, BenchConfig, get_config
+from fullshard.bench.report import markdown, table
+from fullshard.bench.runner import machine_info, run_config
+
+__all__ = ["fullshard_available", "main", "run"]
+
+
+def fullshard_available() -> str | None:
+    """``None`` if ``fullshard.fully_shard`` imports, else why not."""
+    try:
+        from fullshard import fully_shard  # type: ignore[attr-defined]  # noqa: F401
+    except ImportError as e:
+        return f"fullshard.fully_shard is not importable ({e})"
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fullshard bench",
+        description="Train the same GPT, data and seed under fullshard, torch FSDP2, DDP, one "
+        "process and a no-communication floor, alternating modes over repeats on local gloo "
+        "ranks; report step time, tokens/s, ratios, peak RSS per rank, collective traffic vs "
+        "ZeRO-3 theory, exposed communication, and a loss check.",
+    )
+    p.add_argument("--config", choices=sorted(CONFIGS), default="speed")
+    p.add_argument("--all", action="store_true", help="run speed, comm and memory")
+    p.add_argument("--nproc", help="ranks, or a comma list of world sizes (e.g. 1,2,4)")
+    p.add_argument("--steps", type=int, help="steps per run (config default otherwise)")
+    p.add_argument("--warmup", type=int, help="untimed first steps")
+    p.add_argument("--repeats", type=int, help="runs per mode (modes alternate)")
+    p.add_argument("--batch", type=int, help="global batch (per rank for `memory`)")
+    p.add_argument("--n-layer", type=int)
+    p.add_argument("--d-model", type=int)
+    p.add_argument(
+        "--modes", nargs="+", help=f"subset of {list(ALL_MODES)} (comma or space separated)"
+    )
+    p.add_argument(
+        "--no-reshard-after-forward", action="store_true", help="keep units gathered after fwd"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--out", help="also write the JSON results to this file")
+    p.add_argument("--markdown", help="write the tables as Markdown to this file")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    return p
+
+
+def _configure(args: argparse.Namespace, name: str) -> BenchConfig:
+    cfg = get_config(name)
+    changes: dict[str, Any] = {}
+    for field in ("steps", "warmup", "repeats", "batch", "n_layer", "d_model"):
+        v = getattr(args, field)
+        if v is not None:
+            changes[field] = v
+    if args.steps is not None and args.warmup is None:
+        changes["warmup"] = min(cfg.warmup, args.steps - 1)
+    if args.nproc:
+        changes["nprocs"] = tuple(int(x) for x in args.nproc.split(","))
+    if args.modes:
+        changes["modes"] = tuple(m for item in args.modes for m in item.split(",") if m)
+    if args.no_reshard_after_forward:
+        changes["reshard_after_forward"] = False
+    return cfg.replace(**changes)
+
+
+def run(cfgs: list[BenchConfig], *, timeout: float, quiet: bool = False) -> dict[str, Any]:
+    """Run each config at each of its world sizes; return ``{"machine":..., "runs": [...]}``."""
+
+    def log(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    skipped: dict[str, str] = {}
+    why = fullshard_available()
+    runs = []
+    for cfg in cfgs:
+        if why is not None and "fullshard" in cfg.modes:
+            skipped["fullshard"] = why
+            cfg = cfg.replace(modes=tuple(m for m in cfg.modes if m != "fullshard"))
+        for n in cfg.nprocs:
+            runs.append(run_config(cfg, n, timeout=timeout, log=log))
+    return {"machine": machine_info(), "argv": sys.argv[1:], "skipped": skipped, "runs": runs}
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    names = ["speed", "comm", "memory"] if args.all else [args.config]
+    try:
+        cfgs = [_configure(args, n) for n in names]
+    except ValueError as e:
+        print(f"fullshard bench: {e}", file=sys.stderr)
+        return 2
+    results = run(cfgs, timeout=args.timeout, quiet=args.json)
+    for mode, why in results["skipped"].items():
+        print(f"fullshard bench: skipped mode {mode}: {why}", file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n\n".join(markdown(r) for r in results["runs"]) + "\n")
+    if args.json:
+        json.dump(results, sys.stdout, indent=1)
+        print()
+    else:
+        print("\n\n".join(table(r) for r in results["runs"]))
+    failed = [r["config"]["name"] for r in results["runs"] if r["loss_check"]["passed"] is False]
+    if failed:
+        print(f"fullshard bench: loss check FAILED for {failed}", file=sys.stderr)
+        return 1
+    return 0

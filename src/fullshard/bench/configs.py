@@ -1,0 +1,107 @@
+"""The shipped benchmark configurations (``speed``, ``comm``, ``memory``, ``tiny``) and modes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["ALL_MODES", "CONFIGS", "BenchConfig", "get_config"]
+
+#: Every mode ``fullshard bench`` knows, in the order tables list them.
+#: ``nocomm`` trains an unsynchronised replica per rank on the rank's slice of the batch: the same
+#: per-rank compute with no communication at all, the floor the other modes are measured against
+#: (exposed communication = step time - nocomm step time).
+ALL_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "ddp", "single", "nocomm")
+
+
+@dataclass(kw_only=True, frozen=True)
+class BenchConfig:
+    """One benchmark: model shape, batch, schedule and the modes compared."""
+
+    name: str
+    n_layer: int
+    """Transformer blocks (each block is one sharding unit; the root holds the rest)."""
+    d_model: int
+    n_head: int
+    seq_len: int = 256
+    vocab_size: int = 256
+    batch: int
+    """Global batch (sequences per step), split evenly across ranks; per rank if ``batch_per_rank``."""
+    batch_per_rank: bool = False
+    steps: int
+    """Steps per run; the first ``warmup`` are not timed."""
+    warmup: int
+    repeats: int
+    """Runs per mode; modes alternate (A B C, C B A, ...) so drift hits every mode alike."""
+    nprocs: tuple[int, ...] = (2,)
+    """World sizes to run (``memory`` runs 1, 2 and 4 to show per-rank memory falling as 1/N)."""
+    modes: tuple[str, ...] = ALL_MODES
+    reshard_after_forward: bool = True
+    lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in ALL_MODES]
+        if bad:
+            raise ValueError(f"unknown modes {bad}; choose from {list(ALL_MODES)}")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"need 0 <= warmup ({self.warmup}) < steps ({self.steps})")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        for n in self.nprocs:
+            if n < 1 or (not self.batch_per_rank and self.batch % n):
+                raise ValueError(
+                    f"global batch {self.batch} does not split evenly over {n} ranks; "
+                    "pick a batch divisible by every --nproc"
+                )
+
+    def global_batch(self, nproc: int) -> int:
+        return self.batch * nproc if self.batch_per_rank else self.batch
+
+    def replace(self, **changes: object) -> BenchConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    # Compute-heavy: BASELINES.md's model and batch.
+    "speed": BenchConfig(
+        name="speed", n_layer=6, d_model=512, n_head=8, batch=8, steps=30, warmup=5, repeats=2
+    ),
+    # Same model, a quarter of the compute: communication-bound.
+    "comm": BenchConfig(
+        name="comm", n_layer=6, d_model=512, n_head=8, batch=2, steps=30, warmup=5, repeats=2
+    ),
+    # Model states dominate: ~152M parameters (2.4 GB of fp32 params + grads + AdamW states for
+    # one process), one sequence per rank. Per-rank memory should fall as 1/N.
+    "memory": BenchConfig(
+        name="memory",
+        n_layer=12,
+        d_model=1024,
+        n_head=16,
+        batch=1,
+        batch_per_rank=True,
+        steps=2,  # the peak needs step 1 (AdamW states appear) and one steady step
+        warmup=1,
+        repeats=1,
+        nprocs=(1, 2, 4),
+        modes=("fullshard", "fsdp2", "ddp"),
+    ),
+    # Seconds, for tests and smoke runs.
+    "tiny": BenchConfig(
+        name="tiny",
+        n_layer=2,
+        d_model=64,
+        n_head=4,
+        seq_len=32,
+        batch=4,
+        steps=3,
+        warmup=1,
+        repeats=1,
+    ),
+}
+
+
+def get_config(name: str) -> BenchConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown bench config {name!r}; choose from {sorted(CONFIGS)}")
+    return CONFIGS[name]

@@ -1,0 +1,192 @@
+"""One benchmark run on one rank: build, wrap per mode, train, time, meter memory and traffic.
+
+Runs inside :func:`fullshard.testing.run_distributed` children (gloo on loopback). Peers are
+imported lazily here, never at ``import fullshard`` time.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fullshard.bench.comm import KINDS, CommMeter, ddp_comm_per_step
+from fullshard.bench.configs import BenchConfig
+from fullshard.memory.tracker import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from fullshard.train.model import GPT, GPTConfig
+
+__all__ = ["corpus", "make_batches", "model_config", "run_rank", "wrap"]
+
+
+def model_config(cfg: BenchConfig) -> GPTConfig:
+    # Untied: torch FSDP2 refuses a parameter shared across units (the peers must run as-is).
+    return GPTConfig(
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        n_layer=cfg.n_layer,
+        d_model=cfg.d_model,
+        n_head=cfg.n_head,
+        tie_embeddings=False,
+    )
+
+
+def corpus() -> torch.Tensor:
+    """The training bytes: torch's own ``nn/modules/*.py``, in sorted order (same everywhere)."""
+    root = Path(nn.__file__).parent / "modules"
+    data = b"".join(p.read_bytes() for p in sorted(root.glob("*.py")))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def make_batches(
+    cfg: BenchConfig, global_batch: int, rank: int, world: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (inputs, targets) for every step: its contiguous slice of a fixed global batch."""
+    data = corpus()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    per_rank = global_batch // world
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    out = []
+    for _ in range(cfg.steps):
+        starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (global_batch,), generator=gen)
+        rows = torch.stack([data[s : s + cfg.seq_len + 1] for s in starts.tolist()])[lo:hi]
+        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+    return out
+
+
+def wrap(model: GPT, mode: str, reshard_after_forward: bool) -> nn.Module:
+    """Apply ``mode``'s parallelism from outside the model: blocks first, then the root."""
+    if mode in ("fsdp2", "fullshard"):
+        if mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from fullshard import fully_shard  # type: ignore[attr-defined,no-redef]
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if mode in ("single", "nocomm"):
+        return model
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+class _EngineMeter:
+    """fullshard's own recorder (``fullshard.count_collectives``) behind :class:`CommMeter`'s API.
+
+    The engine records every collective it issues (kind, bytes on the wire by the same
+    convention) and the time spent waiting on its handles.
+    """
+
+    def __init__(self) -> None:
+        from fullshard import count_collectives  # type: ignore[attr-defined]
+
+        self._cm = count_collectives()
+        self._stats = self._cm.__enter__()
+
+    def reset(self) -> None:
+        self._stats.reset()
+
+    def uninstall(self) -> None:
+        self._cm.__exit__(None, None, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        by_kind = self._stats.by_kind()
+        return {
+            "calls": {k: by_kind.get(k, {}).get("calls", 0) for k in KINDS},
+            "bytes": {k: by_kind.get(k, {}).get("bytes", 0) for k in KINDS},
+            "blocked_s": float(self._stats.wait_seconds),
+        }
+
+
+def _meter(mode: str) -> Any:
+    if mode == "fullshard":
+        try:
+            return _EngineMeter()
+        except ImportError:  # an engine without the recorder: meter it like the peers
+            return CommMeter().install()
+    if mode == "fsdp2":
+        return CommMeter().install()
+    return None
+
+
+def run_rank(cfg_dict: dict[str, Any], mode: str) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps under ``mode`` on this rank; return timings, losses, memory, comm."""
+    fields: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in cfg_dict.items()
+    }
+    cfg = BenchConfig(**fields)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gc.collect()
+    rss_runtime = current_rss_bytes()  # interpreter + torch + gloo, before any model memory
+    global_batch = cfg.global_batch(world)
+    batches = make_batches(cfg, global_batch, rank, world)
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_config(cfg))
+    n_params = model.num_parameters()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    net = wrap(model, mode, cfg.reshard_after_forward)
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    meter = _meter(mode)
+    gc.collect()
+    dist.barrier()
+    rss_setup = current_rss_bytes()
+    hwm_reset = reset_peak_rss()
+
+    times: list[float] = []
+    losses: list[float] = []
+    comm: dict[str, Any] | None = None
+    for step, (x, y) in enumerate(batches):
+        if step == cfg.warmup and meter is not None:
+            meter.reset()
+        t0 = time.perf_counter()
+        logits = net(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    timed = cfg.steps - cfg.warmup
+    peak_rss = peak_rss_bytes()
+    if meter is not None:
+        meter.uninstall()
+        comm = meter.snapshot()
+        comm["calls"] = {k: v / timed for k, v in comm["calls"].items()}
+        comm["bytes"] = {k: v / timed for k, v in comm["bytes"].items()}
+        comm["blocked_s"] = comm["blocked_s"] / timed
+        comm["source"] = (
+            "fullshard.count_collectives"
+            if isinstance(meter, _EngineMeter)
+            else "torch.distributed wrappers"
+        )
+    elif mode == "ddp":
+        comm = ddp_comm_per_step(net)
+        comm["source"] = "DDP reducer buckets"
+    return {
+        "rank": rank,
+        "world_size": world,
+        "mode": mode,
+        "threads": torch.get_num_threads(),
+        "step_s": times[cfg.warmup :],
+        "losses": losses,
+        "peak_rss_bytes": peak_rss,
+        "rss_after_setup_bytes": rss_setup,
+        "rss_runtime_bytes": rss_runtime,
+        "hwm_reset": hwm_reset,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "n_params": n_params,
+        "param_bytes": param_bytes,
+        "comm": comm,
+        "config": asdict(cfg),
+    }

@@ -1,0 +1,336 @@
+"""``fullshard plan``: predict per-rank peak memory before launch, and what to change to fit.
+
+Examples::
+
+    fullshard plan --preset speed --world-size 2
+    fullshard plan --n-layer 24 --d-model 2048 --world-size 8 --dtype bf16 --batch 4 --seq 2048
+    fullshard plan --preset gpt-1.3b --world-size 4 --budget 16GiB
+    fullshard plan --hf-config path/to/config.json --world-size 8 --mesh 2x4 --ac
+    fullshard plan --preset tiny --world-size 2 --measure     # predicted vs a real CPU run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fullshard.memory.planner import ENGINES, Plan, PlanSpec, plan
+from fullshard.train.model import GPTConfig
+
+__all__ = ["PRESETS", "Option", "main", "parse_bytes", "recommend"]
+
+_MIB = 2**20
+
+#: name -> (GPTConfig fields, per-rank micro-batch, sequence length). Byte-level vocabulary.
+PRESETS: dict[str, tuple[dict[str, int], int, int]] = {
+    "tiny": ({"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 32}, 2, 32),
+    "speed": ({"n_layer": 6, "d_model": 512, "n_head": 8, "seq_len": 256}, 4, 256),
+    "comm": ({"n_layer": 6, "d_model": 512, "n_head": 8, "seq_len": 256}, 1, 256),
+    "memory": ({"n_layer": 12, "d_model": 1024, "n_head": 16, "seq_len": 256}, 1, 256),
+    "gpt-125m": ({"n_layer": 12, "d_model": 768, "n_head": 12, "seq_len": 1024}, 8, 1024),
+    "gpt-350m": ({"n_layer": 24, "d_model": 1024, "n_head": 16, "seq_len": 1024}, 8, 1024),
+    "gpt-1.3b": ({"n_layer": 24, "d_model": 2048, "n_head": 16, "seq_len": 2048}, 4, 2048),
+    "gpt-7b": ({"n_layer": 32, "d_model": 4096, "n_head": 32, "seq_len": 4096}, 1, 4096),
+}
+
+_UNITS = {
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"16GiB"`` -> 17179869184; accepts B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 16GiB, 500MB)")
+    return int(float(m.group(1)) * (_UNITS[m.group(2)] if m.group(2) else 1))
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / _MIB:.1f} MiB"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fullshard plan",
+        description="Predict per-rank peak memory of fully sharded training: sharded params, "
+        "grads, optimizer states, gathered units (with prefetch), activations (traced on fake "
+        "tensors) and communication buffers; the timeline peak and where it occurs.",
+    )
+    m = p.add_argument_group("model (a preset, explicit shape, or a Hugging Face config)")
+    m.add_argument("--preset", choices=sorted(PRESETS))
+    m.add_argument("--n-layer", type=int)
+    m.add_argument("--d-model", type=int)
+    m.add_argument("--n-head", type=int)
+    m.add_argument("--vocab-size", type=int)
+    m.add_argument("--tie-embeddings", action="store_true")
+    m.add_argument("--hf-config", help="config.json (or its folder) of a Hugging Face causal LM")
+    r = p.add_argument_group("run")
+    r.add_argument("--world-size", type=int, default=2)
+    r.add_argument("--mesh", help="RxS: R replicas of S-way sharding (HSDP); R*S = world size")
+    r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="param_dtype")
+    r.add_argument("--offload", action="store_true", help="CPU-offload sharded states")
+    r.add_argument("--batch", type=int, help="micro-batch per rank (sequences)")
+    r.add_argument("--seq", type=int, help="sequence length")
+    r.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum"], default="adamw")
+    r.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    r.add_argument("--no-reshard-after-forward", action="store_true")
+    r.add_argument("--units", choices=["block", "model"], default="block")
+    r.add_argument("--engine", choices=sorted(ENGINES), default="fullshard")
+    o = p.add_argument_group("output")
+    o.add_argument("--budget", help="per-rank memory budget (e.g. 16GiB): recommend what fits")
+    o.add_argument("--timeline", action="store_true", help="print every event of the step")
+    o.add_argument("--json", action="store_true")
+    o.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run 3 real steps on --world-size local gloo ranks and compare (GPT, CPU)",
+    )
+    return p
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _spec(args: argparse.Namespace) -> PlanSpec:
+    fields: dict[str, Any] = {}
+    batch, seq = 1, 256
+    if args.preset:
+        fields, batch, seq = dict(PRESETS[args.preset][0]), *PRESETS[args.preset][1:]
+    for k in ("n_layer", "d_model", "n_head", "vocab_size"):
+        if getattr(args, k) is not None:
+            fields[k] = getattr(args, k)
+    seq = args.seq or seq
+    batch = args.batch or batch
+    mesh = None
+    if args.mesh:
+        mm = re.fullmatch(r"(\d+)x(\d+)", args.mesh)
+        if not mm:
+            raise ValueError(f"--mesh {args.mesh!r}: expected RxS, e.g. 2x4")
+        mesh = (int(mm.group(1)), int(mm.group(2)))
+    model = None
+    if args.hf_config is None:
+        if not fields:
+            raise ValueError("give --preset, --n-layer/--d-model/..., or --hf-config")
+        fields["seq_len"] = max(fields.get("seq_len", seq), seq)
+        model = GPTConfig(tie_embeddings=args.tie_embeddings, **fields)
+    return PlanSpec(
+        model=model,
+        hf_config=args.hf_config,
+        world_size=args.world_size,
+        mesh=mesh,
+        param_dtype=_DTYPES[args.dtype],
+        offload=args.offload,
+        batch=batch,
+        seq=seq,
+        optimizer=args.optimizer,
+        ac=args.ac,
+        reshard_after_forward=not args.no_reshard_after_forward,
+        units=args.units,
+        engine=args.engine,
+    )
+
+
+@dataclass
+class Option:
+    """One change to the run, its cost, and the peak it would give."""
+
+    change: str
+    cost: str
+    peak: int
+    spec: PlanSpec
+
+
+def recommend(spec: PlanSpec, budget: int) -> list[Option]:
+    """Single changes in order of cost (cheapest first), then combinations, with their peaks."""
+    r = dataclasses.replace
+    cands: list[tuple[str, str, PlanSpec]] = []
+    if not spec.reshard_after_forward:
+        cands.append(
+            (
+                "reshard_after_forward=True",
+                "one more all-gather per unit in backward",
+                r(spec, reshard_after_forward=True),
+            )
+        )
+    if spec.units == "model":
+        cands.append(("one unit per block", "more, smaller collectives", r(spec, units="block")))
+    b = spec.batch // 2
+    while b >= 1:
+        k = spec.batch // b
+        cands.append(
+            (
+                f"micro-batch {b} x {k} gradient-accumulation steps",
+                "same math; smaller kernels, more steps",
+                r(spec, batch=b),
+            )
+        )
+        b //= 2
+    if not spec.ac:
+        cands.append(
+            (
+                "activation checkpointing per block",
+                "~1/3 more compute (forward recomputed)",
+                r(spec, ac=True),
+            )
+        )
+    if spec.param_dtype == torch.float32:
+        cands.append(
+            (
+                "bf16 mixed precision (param_dtype=bfloat16)",
+                "numerics change; faster on GPUs",
+                r(spec, param_dtype=torch.bfloat16),
+            )
+        )
+    if not spec.offload:
+        cands.append(
+            (
+                "CPU offload of sharded states",
+                "host<->device copies every unit",
+                r(spec, offload=True),
+            )
+        )
+    if not spec.ac and spec.batch > 1:
+        cands.append(
+            ("activation checkpointing + micro-batch 1", "both costs", r(spec, ac=True, batch=1))
+        )
+    if not spec.offload and not spec.ac:
+        cands.append(
+            ("CPU offload + activation checkpointing", "both costs", r(spec, offload=True, ac=True))
+        )
+    out = []
+    for change, cost, s in cands:
+        out.append(Option(change, cost, plan(s).peak.total, s))
+        if out[-1].peak <= budget:
+            break
+    else:
+        w = spec.world_size
+        for _ in range(8):
+            w *= 2
+            s = r(
+                spec,
+                world_size=w,
+                mesh=None if spec.mesh is None else (spec.mesh[0], w // spec.mesh[0]),
+            )
+            p = plan(s).peak.total
+            if p <= budget or w >= 4096:
+                out.append(
+                    Option(f"world size {w} (shard over {s.shard_size})", "more devices", p, s)
+                )
+                break
+    return out
+
+
+def _describe(spec: PlanSpec, p: Plan) -> str:
+    if spec.model is not None:
+        what = f"GPT {spec.model.n_layer}x{spec.model.d_model}"
+    else:
+        what = f"HF {spec.hf_config}"
+    mesh = f" mesh {spec.mesh[0]}x{spec.mesh[1]}" if spec.mesh else ""
+    flags = [
+        n
+        for n, on in (
+            ("AC", spec.ac),
+            ("offload", spec.offload),
+            ("no reshard after fwd", not spec.reshard_after_forward),
+        )
+        if on
+    ]
+    return (
+        f"{what} ({p.n_params / 1e6:.2f} M params, {len(p.units)} units), world size "
+        f"{spec.world_size}{mesh} (shard {spec.shard_size}), {str(spec.param_dtype).split('.')[-1]}, "
+        f"micro-batch {spec.batch} x {spec.seq}, {spec.optimizer}, engine model {spec.engine}"
+        + (f", {', '.join(flags)}" if flags else "")
+    )
+
+
+def render(spec: PlanSpec, p: Plan, timeline: bool = False) -> str:
+    lines = [f"fullshard plan: {_describe(spec, p)}", ""]
+    lines.append(f"per-rank peak: {_fmt(p.peak.total)}  at: {p.peak.label}")
+    for k, v in sorted(p.peak.bytes.items(), key=lambda kv: -kv[1]):
+        if v and not k.startswith("host:"):
+            lines.append(f"  {k:<24} {_fmt(v):>12}  {100 * v / p.peak.total:5.1f}%")
+    if p.peak.host:
+        lines.append(f"host memory (offloaded states): {_fmt(p.peak.host)}")
+    lines.append("")
+    events = p.events if timeline else sorted(p.events, key=lambda e: -e.total)[:5]
+    lines.append("timeline:" if timeline else "highest moments of the step:")
+    for e in events:
+        lines.append(f"  {_fmt(e.total):>12}  {e.label}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        spec = _spec(args)
+        budget = parse_bytes(args.budget) if args.budget else None
+    except ValueError as e:
+        print(f"fullshard plan: {e}", file=sys.stderr)
+        return 2
+    p = plan(spec)
+    result: dict[str, Any] = {"plan": p.to_dict()}
+    text = [render(spec, p, args.timeline)]
+    if budget is not None:
+        if p.peak.total <= budget:
+            text.append(
+                f"\nfits the budget {_fmt(budget)} ({_fmt(budget - p.peak.total)} to spare)"
+            )
+            result["recommendation"] = None
+        else:
+            opts = recommend(spec, budget)
+            fit = [o for o in opts if o.peak <= budget]
+            text.append(
+                f"\nover the budget {_fmt(budget)} by {_fmt(p.peak.total - budget)}; options, cheapest first:"
+            )
+            text += [f"  {_fmt(o.peak):>12}  {o.change}  ({o.cost})" for o in opts]
+            text.append(f"recommended: {fit[0].change}" if fit else "nothing tried fits")
+            result["recommendation"] = fit[0].change if fit else None
+            result["options"] = [
+                {"change": o.change, "cost": o.cost, "peak_bytes": o.peak} for o in opts
+            ]
+    if args.measure:
+        if spec.model is None:
+            print("fullshard plan: --measure runs the GPT only", file=sys.stderr)
+            return 2
+        from fullshard.memory.measure import measure_rank
+        from fullshard.testing import run_distributed
+
+        ranks = run_distributed(
+            measure_rank,
+            spec.world_size,
+            dataclasses.asdict(spec.model),
+            spec.batch,
+            spec.seq,
+            spec.engine,
+            3,
+            spec.reshard_after_forward,
+        )
+        measured = max(r["peak_bytes"] for r in ranks)
+        err = p.peak.total / measured - 1
+        text.append(
+            f"\nmeasured ({spec.engine}, {spec.world_size} gloo ranks, 3 steps, live tensor bytes): "
+            f"{_fmt(measured)} at {ranks[0]['peak_at']}; prediction {err:+.1%}"
+        )
+        result["measured_peak_bytes"] = measured
+        result["relative_error"] = err
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        print("\n".join(text))
+    return 0

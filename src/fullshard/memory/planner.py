@@ -1,0 +1,499 @@
+"""Predict per-rank peak memory of a fully sharded training step before launching it.
+
+[Note: how the plan is made]
+A step's memory is the sum of two parts that the planner gets in different ways.
+
+1. Activations and a unit's unsharded gradients are *measured*: the unsharded model is built
+   under ``FakeTensorMode`` (no storage is allocated; shapes, dtypes and the CPU/GPU kernel
+   choices such as SDPA's are the real ones) and one forward + backward runs at the per-rank
+   micro-batch under :class:`~fullshard.memory.tracker.LiveTensorBytes`. Parameters are counted
+   apart; each gradient is tagged when accumulated and dropped once its whole unit has its
+   gradients — the moment a fully sharded engine reduce-scatters and frees them. Module hooks
+   cut the run into segments (``forward blocks.3``, ``backward blocks.3``, ...) and record the
+   live bytes at each segment's start, its peak, and at each unit's reduce-scatter.
+2. Model states and engine buffers are *computed* per segment from the units' shapes: sharded
+   parameters, sharded gradients (only after the unit's reduce-scatter; ``zero_grad`` frees them),
+   optimizer states, the gathered units (the current one, the root — never resharded after
+   forward — and the prefetched ones), the transient all-gather/reduce-scatter buffers, and the
+   optimizer's temporaries. How an engine holds those buffers is an :class:`EngineModel`.
+
+The peak is the maximum over the segments' events; the event and its breakdown are reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fullshard.memory.tracker import LiveTensorBytes
+from fullshard.train.model import GPT, GPTConfig
+
+__all__ = [
+    "ENGINES",
+    "EngineModel",
+    "Event",
+    "Plan",
+    "PlanSpec",
+    "Segment",
+    "Unit",
+    "build_model",
+    "find_units",
+    "plan",
+    "trace_activations",
+]
+
+_OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+@dataclass(kw_only=True, frozen=True)
+class EngineModel:
+    """How an engine holds gathered parameters and communication buffers."""
+
+    name: str
+    copy_out: bool
+    """All-gather into one packed buffer, then copy each parameter out (torch FSDP2): the packed
+    buffer and the per-parameter copies coexist while a unit is gathered. ``False``: parameters
+    are views into the packed buffer."""
+    forward_prefetch: int
+    """Units gathered ahead of the current one in forward."""
+    backward_prefetch: int
+    """Units gathered ahead of the current one in backward."""
+    gather_input_copy: bool = False
+    """The all-gather sends a packed copy of this rank's shards (alive until the gather is
+    waited on); ``False``: it sends from the packed output in place."""
+    reduce_pending: bool = False
+    """A unit's packed reduce-scatter input stays alive until the next unit's reduction is
+    issued (the reduction overlaps that unit's backward)."""
+
+
+ENGINES: dict[str, EngineModel] = {
+    # fullshard's engine (see fullshard.group): rank-major packed all-gather output copied out
+    # into the unit's buffer, a packed send copy per gather, one unit prefetched each way, and
+    # each reduce-scatter finished when the next one is issued.
+    "fullshard": EngineModel(
+        name="fullshard",
+        copy_out=True,
+        forward_prefetch=1,
+        backward_prefetch=1,
+        gather_input_copy=True,
+        reduce_pending=True,
+    ),
+    # torch FSDP2 on CPU: per-parameter copy-out, no forward prefetch (no streams), backward
+    # prefetch of one unit.
+    "fsdp2": EngineModel(name="fsdp2", copy_out=True, forward_prefetch=0, backward_prefetch=1),
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlanSpec:
+    """Everything the plan depends on."""
+
+    model: GPTConfig | None = None
+    """A fullshard GPT; or ``hf_config``."""
+    hf_config: str | None = None
+    """Path to a Hugging Face ``config.json`` (or its folder): a causal LM built from it."""
+    world_size: int
+    mesh: tuple[int, int] | None = None
+    """(replicate, shard) for HSDP; ``None`` = shard over all ranks."""
+    param_dtype: torch.dtype = torch.float32
+    """Dtype of gathered parameters and compute (sharded masters stay fp32)."""
+    offload: bool = False
+    """Sharded parameters, gradients and optimizer states live in host memory."""
+    batch: int
+    """Micro-batch per rank (sequences)."""
+    seq: int
+    optimizer: str = "adamw"
+    ac: bool = False
+    """Activation checkpointing of every unit (block)."""
+    reshard_after_forward: bool = True
+    units: str = "block"
+    """``block``: each transformer block is a unit, the root holds the rest; ``model``: one unit."""
+    engine: str = "fullshard"
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.hf_config is None):
+            raise ValueError("give exactly one of model= (a GPTConfig) or hf_config=")
+        if self.optimizer not in _OPT_STATES:
+            raise ValueError(f"optimizer {self.optimizer!r}: choose from {sorted(_OPT_STATES)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r}: choose from {sorted(ENGINES)}")
+        if self.units not in ("block", "model"):
+            raise ValueError(f"units {self.units!r}: choose 'block' or 'model'")
+        if self.batch < 1 or self.seq < 1 or self.world_size < 1:
+            raise ValueError("batch, seq and world_size must be >= 1")
+        if self.mesh is not None and self.mesh[0] * self.mesh[1] != self.world_size:
+            raise ValueError(
+                f"mesh {self.mesh[0]}x{self.mesh[1]} does not multiply to world size {self.world_size}"
+            )
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh[1] if self.mesh is not None else self.world_size
+
+
+@dataclass
+class Unit:
+    """One communication unit: the parameters gathered and reduced together."""
+
+    name: str
+    shapes: list[tuple[int, ...]]  # unique parameters' shapes
+    numel: int = 0
+    padded_numel: int = 0  # dim 0 of each parameter padded to a multiple of the shard size
+    shard_numel: int = 0  # padded_numel / shard size
+    largest_shard_numel: int = 0
+
+    def pad(self, shard: int) -> None:
+        self.numel = sum(math.prod(s) for s in self.shapes)
+        per = [math.ceil(s[0] / shard) * math.prod(s[1:]) if s else 1 for s in self.shapes]
+        self.shard_numel = sum(per)
+        self.padded_numel = self.shard_numel * shard
+        self.largest_shard_numel = max(per, default=0)
+
+
+@dataclass
+class Segment:
+    """A stretch of the fake step during which one unit computes (live bytes: non-parameter)."""
+
+    label: str
+    unit: int  # index into the units; 0 is the root, -1 the loss (outside the model)
+    phase: str  # "forward" | "backward"
+    after: int  # the last non-root unit entered in this phase (0 before any)
+    start: int = 0
+    start_grads: int = 0  # of which unsharded gradients
+    peak: int = 0
+    peak_grads: int = 0
+    reduce_at: int | None = None  # live bytes when the unit reduce-scatters (backward)
+    reduce_grads: int = 0
+
+
+@dataclass
+class Event:
+    """A moment of the step with its predicted per-rank bytes by category."""
+
+    label: str
+    bytes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(v for k, v in self.bytes.items() if not k.startswith("host:"))
+
+    @property
+    def host(self) -> int:
+        return sum(v for k, v in self.bytes.items() if k.startswith("host:"))
+
+
+@dataclass
+class Plan:
+    """The prediction: every event of the step and the peak among them."""
+
+    spec: PlanSpec
+    units: list[Unit]
+    events: list[Event]
+    n_params: int
+    peak: Event = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.peak = max(self.events, key=lambda e: e.total)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak.total,
+            "peak_at": self.peak.label,
+            "peak_breakdown": self.peak.bytes,
+            "host_bytes": self.peak.host,
+            "n_params": self.n_params,
+            "units": len(self.units),
+            "timeline": [{"label": e.label, "bytes": e.total} for e in self.events],
+        }
+
+
+# ---- model construction and the fake step --------------------------------------------------
+
+
+def build_model(spec: PlanSpec) -> nn.Module:
+    """The unsharded model (call under ``FakeTensorMode`` to allocate nothing)."""
+    if spec.model is not None:
+        return GPT(spec.model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(spec.hf_config))
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def find_units(model: nn.Module, how: str) -> list[tuple[str, nn.Module]]:
+    """``[(name, module)]``: the root first, then the repeated blocks (the longest ModuleList)."""
+    if how == "model":
+        return [("root", model)]
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > (len(best[1]) if best else 1):
+            best = (name, mod)
+    if best is None:
+        return [("root", model)]
+    return [("root", model)] + [(f"{best[0]}.{i}", m) for i, m in enumerate(best[1])]
+
+
+def _unit_shapes(units: list[tuple[str, nn.Module]]) -> list[Unit]:
+    seen: set[int] = set()
+    out: list[list[tuple[int, ...]]] = []
+    for _, mod in reversed(units):  # blocks claim their parameters first; the root the rest
+        out.append([])
+        for p in mod.parameters():
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                out[-1].append(tuple(p.shape))
+    return [Unit(name=n, shapes=s) for (n, _), s in zip(units, reversed(out))]
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@contextlib.contextmanager
+def _checkpointed(blocks: list[nn.Module]) -> Iterator[None]:
+    from torch.utils.checkpoint import checkpoint
+
+    saved = []
+    for b in blocks:
+        fwd = b.forward
+        saved.append((b, fwd))
+
+        def ck(*a: Any, _f: Callable[..., Any] = fwd, **k: Any) -> Any:
+            return checkpoint(_f, *a, use_reentrant=False, **k)
+
+        b.forward = ck  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for b, fwd in saved:
+            b.forward = fwd  # type: ignore[method-assign]
+
+
+def trace_activations(spec: PlanSpec) -> tuple[list[Unit], list[Segment], int]:
+    """Run one fake forward+backward; return the units, the segments and the parameter count."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), _default_dtype(spec.param_dtype):
+        model = build_model(spec)
+        named = find_units(model, spec.units)
+        units = _unit_shapes(named)
+        for u in units:
+            u.pad(spec.shard_size)
+        vocab = _vocab(model)
+        x = torch.randint(0, vocab, (spec.batch, spec.seq))
+        y = torch.randint(0, vocab, (spec.batch, spec.seq))
+        segments = _run_fake(spec, model, named, units, x, y)
+    n_params = sum(u.numel for u in units)
+    return units, segments, n_params
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build the model directly in the compute dtype (``.to()`` cannot swap fake parameters)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _vocab(model: nn.Module) -> int:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    return int(getattr(cfg, "vocab_size", 256))
+
+
+def _run_fake(
+    spec: PlanSpec,
+    model: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    units: list[Unit],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> list[Segment]:
+    tracker = LiveTensorBytes()
+    segments: list[Segment] = []
+    owner: dict[int, int] = {}  # id(param) -> unit index
+    for i, (_, mod) in reversed(list(enumerate(named))):
+        for p in mod.parameters():
+            owner.setdefault(id(p), i)
+    params = [p for p in model.parameters() if p.requires_grad]
+    pending = {i: sum(1 for p in params if owner[id(p)] == i) for i in range(len(named))}
+    by_unit: dict[int, list[nn.Parameter]] = {i: [] for i in range(len(named))}
+    for p in params:
+        by_unit[owner[id(p)]].append(p)
+
+    def live() -> int:
+        return tracker.current - tracker.by_category.get("param", 0)
+
+    def grads() -> int:
+        return tracker.by_category.get("grad", 0)
+
+    def begin(label: str, unit: int, phase: str) -> None:
+        now, g = live(), grads()
+        last = segments[-1] if segments else None
+        after = unit if unit > 0 else (last.after if last and last.phase == phase else 0)
+        segments.append(
+            Segment(label=label, unit=unit, phase=phase, after=after, start=now, start_grads=g)
+        )
+        segments[-1].peak, segments[-1].peak_grads = now, g
+
+    def on_op(t: LiveTensorBytes) -> None:
+        seg = segments[-1]
+        now = live()
+        if now > seg.peak:
+            seg.peak, seg.peak_grads = now, grads()
+
+    def reduce_point() -> None:
+        seg = segments[-1]
+        on_op(tracker)
+        seg.reduce_at, seg.reduce_grads = live(), grads()
+
+    def accumulated(p: torch.Tensor) -> None:
+        i = owner[id(p)]
+        tracker.set_category(p.grad, "grad")  # type: ignore[arg-type]
+        pending[i] -= 1
+        if pending[i] == 0 and i != 0:  # the unit's gradients are all here: reduce and free
+            reduce_point()
+            for q in by_unit[i]:
+                q.grad = None
+            begin("backward root", 0, "backward")
+
+    def enter(label: str, unit: int, phase: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            begin(label, unit, phase)
+
+        return hook
+
+    handles: list[Any] = []
+    for i, (name, mod) in enumerate(named):
+        if i == 0:
+            continue
+        handles.append(mod.register_forward_pre_hook(enter(f"forward {name}", i, "forward")))
+        handles.append(mod.register_forward_hook(enter("forward root", 0, "forward")))
+        handles.append(
+            mod.register_full_backward_pre_hook(enter(f"backward {name}", i, "backward"))
+        )
+    for p in params:
+        handles.append(p.register_post_accumulate_grad_hook(accumulated))
+    blocks = [m for _, m in named[1:]] if spec.ac else []
+    try:
+        with tracker, _checkpointed(blocks):
+            tracker.track(params, "param")
+            tracker.on_op = on_op
+            begin("forward root", 0, "forward")
+            logits = _logits(model(x))
+            begin("loss", -1, "forward")
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+            del logits
+            begin("backward root", 0, "backward")
+            loss.backward()
+            del loss
+            reduce_point()
+    finally:
+        for h in handles:
+            h.remove()
+    return segments
+
+
+# ---- the timeline ----------------------------------------------------------------------------
+
+
+def plan(spec: PlanSpec) -> Plan:
+    """Predict the per-rank memory timeline of one steady-state training step."""
+    units, segments, n_params = trace_activations(spec)
+    return Plan(spec=spec, units=units, events=_timeline(spec, units, segments), n_params=n_params)
+
+
+def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> list[Event]:
+    eng = ENGINES[spec.engine]
+    pbytes = torch.empty((), dtype=spec.param_dtype).element_size()
+    f32 = 4
+    host = "host:" if spec.offload else ""
+    shard = sum(u.shard_numel for u in units) * f32
+    n_states = _OPT_STATES[spec.optimizer]
+    gathered = [u.padded_numel * pbytes for u in units]
+    n = len(units)
+    orders = {"forward": list(range(n)), "backward": [0] + list(range(n - 1, 0, -1))}
+    reduced: set[int] = set()  # units whose gradients are already reduced (sharded)
+
+    def held(seg: Segment) -> set[int]:
+        """Units gathered during ``seg``: the root (gathered from the model's pre-forward to
+        its post-forward, and from its pre-backward to the end), the computing unit, and the
+        units prefetched ahead of it."""
+        if seg.unit < 0:  # the loss, between the model's forward and backward
+            out: set[int] = set()
+        else:
+            order = orders[seg.phase]
+            ahead = eng.forward_prefetch if seg.phase == "forward" else eng.backward_prefetch
+            k = order.index(seg.after)
+            lo = k if seg.unit > 0 else k + 1
+            out = {0, *order[lo : k + 1 + ahead]}
+        if not spec.reshard_after_forward:  # everything gathered once stays until its backward
+            out |= set(range(n)) - reduced
+        return out
+
+    events: list[Event] = []
+    was: set[int] = set()
+    pending = 0  # a reduce-scatter input still alive (EngineModel.reduce_pending)
+    for seg in segments:
+        base = {
+            f"{host}sharded params": shard,
+            f"{host}sharded grads": sum(units[i].shard_numel * f32 for i in reduced),
+            f"{host}optimizer states": n_states * shard,
+        }
+        now = held(seg)
+        gath = sum(gathered[i] for i in now)
+        new = now - was
+        if new:  # all-gathers issued on entering this segment
+            extra = sum(gathered[i] for i in new) if eng.copy_out else 0
+            if eng.gather_input_copy or spec.param_dtype != torch.float32:  # the shard sent
+                extra += sum(units[i].shard_numel * pbytes for i in new)
+            ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending})
+            ev.update(
+                {"activations": seg.start - seg.start_grads, "unsharded grads": seg.start_grads}
+            )
+            names = ", ".join(units[i].name for i in sorted(new))
+            events.append(Event(f"all-gather of {names} (entering {seg.label})", ev))
+        was = now
+        ev = dict(base, **{"gathered units": gath, "comm buffers": pending})
+        ev.update({"activations": seg.peak - seg.peak_grads, "unsharded grads": seg.peak_grads})
+        events.append(Event(seg.label, ev))
+        if seg.reduce_at is not None:
+            u = units[seg.unit]
+            # Full gradients and the packed reduce-scatter input coexist for the copy-in; the
+            # new gradient shard is the output.
+            send = u.padded_numel * pbytes
+            ev = dict(
+                base,
+                **{"gathered units": gath, "comm buffers": pending + send + u.shard_numel * f32},
+            )
+            ev.update(
+                {
+                    "activations": seg.reduce_at - seg.reduce_grads,
+                    "unsharded grads": seg.reduce_grads,
+                }
+            )
+            events.append(Event(f"reduce-scatter of {u.name}", ev))
+            reduced.add(seg.unit)  # its output buffer is now the gradient shards
+            pending = send if eng.reduce_pending and seg.unit != 0 else 0
+            if seg.unit != 0 or spec.reshard_after_forward:
+                was = was - {seg.unit}
+    # The optimizer step: all gradient shards, states, and per-parameter temporaries (AdamW's
+    # single-tensor path builds sqrt(v) and its scaled copy before the update).
+    temps = (2 if n_states == 2 else 0) * max(u.largest_shard_numel for u in units) * f32
+    ev = {
+        f"{host}sharded params": shard,
+        f"{host}sharded grads": shard,
+        f"{host}optimizer states": n_states * shard,
+        "optimizer temporaries": temps,
+    }
+    events.append(Event("optimizer step", ev))
+    return events
