@@ -134,7 +134,10 @@ def test_bad_values_fail_fast(
     _fails([*run, "--hf-config", "{not json"], capsys, "--hf-config")
     _fails([*run, "--hf-config", '{"hidden_size": 8}'], capsys, "--hf-config", "model_type")
     _fails([*run, "--resume", str(tmp_path / "nockpt")], capsys, "--resume")
-    (tmp_path / "run" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    fake = tmp_path / "run" / "checkpoints" / "step_00000001"
+    fake.mkdir(parents=True)
+    _fails([*run, "--resume", str(fake)], capsys, "--resume", "not a complete checkpoint")
+    (fake / "manifest.json").write_text("{}")  # complete, as far as listing goes
     _fails([*run, "--resume", "never"], capsys, "--resume never", "--resume auto")
     assert no_launch == []
 

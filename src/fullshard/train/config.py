@@ -177,11 +177,6 @@ class TrainConfig:
             )
         if self.hf_weights and not self.hf_config:
             raise ConfigError("--hf-weights needs --hf-config (the model the weights belong to)")
-        if self.warmup_steps > self.max_steps:
-            raise ConfigError(
-                f"--warmup-steps ({self.warmup_steps}) exceeds --max-steps ({self.max_steps}); "
-                "lower --warmup-steps"
-            )
         if self.resume == "":
             raise ConfigError("--resume must be auto, never or a checkpoint path, got ''")
         for name, value in _choices_of_literals().items():

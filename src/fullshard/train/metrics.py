@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -119,7 +120,9 @@ class Progress:
             width = 24
             filled = int(width * step / self.total)
             bar = "#" * filled + "-" * (width - filled)
-            self.out.write(f"\r\x1b[2K[{bar}] {text}")
+            columns = shutil.get_terminal_size().columns
+            line = f"[{bar}] {text}"[: max(20, columns - 1)]  # one row, so \r redraws it
+            self.out.write(f"\r\x1b[2K{line}")
             self.out.flush()
             self._bar_shown = True
         elif self.log_every and (step % self.log_every == 0 or step == self.total):
