@@ -230,7 +230,8 @@ def test_metrics_log_cuts_back_to_the_resumed_step(tmp_path: Path) -> None:
     assert kept == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
 
 
-def test_progress_bar_and_lines() -> None:
+def test_progress_bar_and_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
     rec = {"step": 5, "loss": 1.5, "tokens_per_s": 1234.0, "peak_mem_mib": [10.0, 11.0]}
     out = io.StringIO()
     bar = Progress(total=10, start=0, mode="bar", log_every=5, out=out)
@@ -244,3 +245,7 @@ def test_progress_bar_and_lines() -> None:
     plain.step(rec)
     plain.step({**rec, "step": 6})
     assert out.getvalue().count("\n") == 1 and "\r" not in out.getvalue()
+    monkeypatch.setenv("COLUMNS", "40")  # the bar never wraps: \r could not redraw it
+    out = io.StringIO()
+    Progress(total=10, start=0, mode="bar", log_every=5, out=out).step(rec)
+    assert len(out.getvalue()) <= len("\r\x1b[2K") + 39
