@@ -44,10 +44,48 @@ def uses_cuda(cfg: TrainConfig) -> bool:
 
 
 def _host_memory_bytes() -> int:
+    """Memory available to new processes now (MemAvailable), else physical memory, else 0."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def _check_host_memory(cfg: TrainConfig, world: int, n_params: int, vocab: int) -> None:
+    """Refuse a CPU run that clearly cannot fit in this host's memory (a rough lower bound).
+
+    Per rank: fp32 parameters, gradients and two AdamW moments, sharded (16 bytes/parameter/
+    rank); one full fp32 copy while building when not built on meta; the logits, their fp32
+    copy and gradient (12 bytes x tokens x vocab); and layer activations (~70 bytes x tokens
+    x width per layer in fp32, ~4 with activation checkpointing). ``fullshard plan`` predicts
+    a step's peak properly.
+    """
+    hidden, layers = cfg.d_model, cfg.n_layer
+    if cfg.uses_hf:
+        hf_cfg = hf.make_config(hf.parse_config(cfg.hf_config))
+        hidden = int(getattr(hf_cfg, "hidden_size", 0) or getattr(hf_cfg, "n_embd", 0) or hidden)
+        layers = int(
+            getattr(hf_cfg, "num_hidden_layers", 0) or getattr(hf_cfg, "n_layer", 0) or layers
+        )
+    tokens = cfg.micro_batch * cfg.seq_len
+    per_layer = (4 if cfg.activation_checkpointing else 70) * tokens * hidden
+    build = 0 if n_params > 1e9 or cfg.init == "meta" else 4 * n_params
+    per_rank = 16 * n_params / world + build + 12 * tokens * vocab + per_layer * layers
+    host = _host_memory_bytes()
+    if host and per_rank * world > 0.9 * host:
+        raise ConfigError(
+            f"--preset {cfg.preset}: {n_params / 1e9:.2f}B parameters at --micro-batch "
+            f"{cfg.micro_batch} x --seq-len {cfg.seq_len} need at least "
+            f"{per_rank * world / 2**30:.0f} GiB on this CPU-only host, which has "
+            f"{host / 2**30:.0f} GiB available; train it on GPUs, lower --micro-batch or "
+            "--seq-len, or pick --preset small"
+        )
 
 
 def _check_batch(cfg: TrainConfig, world: int) -> None:
@@ -74,16 +112,21 @@ def _check_run_dir(cfg: TrainConfig, *, fresh_launch: bool) -> None:
         ) from None
     if not fresh_launch:
         return
-    has_ckpt = any((run_dir / "checkpoints").glob("step_*"))
-    if cfg.resume == "never" and has_ckpt:
+    from fullshard.checkpoint import CheckpointError, CheckpointReader, latest_checkpoint
+
+    if cfg.resume == "never" and latest_checkpoint(run_dir / "checkpoints") is not None:
         raise ConfigError(
             f"--resume never, but {run_dir}/checkpoints already holds checkpoints; use "
             "--resume auto to continue that run, a new --run-dir, or delete the old one"
         )
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
-        raise ConfigError(
-            f"--resume {cfg.resume}: no such checkpoint; pass auto, never or an existing path"
-        )
+    if cfg.resume not in ("auto", "never"):
+        try:
+            CheckpointReader(cfg.resume)  # a checkpoint, or a run/root directory holding one
+        except (CheckpointError, OSError) as e:
+            raise ConfigError(
+                f"--resume {cfg.resume}: not a complete checkpoint ({e}); pass auto, never, a "
+                "checkpoint directory or a run directory"
+            ) from None
 
 
 def _check_device(cfg: TrainConfig, world: int) -> None:
@@ -117,15 +160,8 @@ def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
             f"{vocab}; raise --vocab-size (or the --hf-config vocab_size) or check --data-dtype"
         )
     n_params = count_parameters(cfg)
-    # fp32 parameter + gradient + two AdamW moments, sharded; plus one full copy at init.
-    need = 16 * n_params / world + (0 if n_params > 1e9 else 4 * n_params)
-    host = _host_memory_bytes()
-    if not uses_cuda(cfg) and host and need * world > 0.9 * host:
-        raise ConfigError(
-            f"--preset {cfg.preset}: {n_params / 1e9:.2f}B parameters need about "
-            f"{need * world / 2**30:.0f} GiB for model states on this CPU-only host, which has "
-            f"{host / 2**30:.0f} GiB; train it on GPUs, or pick --preset small"
-        )
+    if not uses_cuda(cfg):
+        _check_host_memory(cfg, world, n_params, vocab)
     return n_params
 
 

@@ -142,7 +142,7 @@ def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env
     mine = starts.reshape(cfg.eval_batches, cfg.global_batch)[
         :, data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
     ].reshape(-1)
-    total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)  # [sum of losses, count]
     model.eval()
     with torch.no_grad():
         for i in range(0, len(mine), cfg.micro_batch):
@@ -150,12 +150,8 @@ def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env
             batch = batch.to(env.device)
             logits = logits_of(model, batch[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            total += torch.stack(
-                [
-                    loss.double() * len(batch),
-                    torch.tensor(len(batch), dtype=torch.float64, device=env.device),
-                ]
-            )
+            total[0] += loss.double() * len(batch)
+            total[1] += len(batch)
     model.train()
     dist.all_reduce(total)
     return float(total[0] / total[1])
@@ -244,7 +240,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             parameters=n_params,
         )
     progress = Progress(
-        total=cfg.max_steps, start=start_step, mode=cfg.progress, log_every=cfg.log_every
+        total=cfg.max_steps,
+        start=start_step,
+        mode=cfg.progress,
+        log_every=cfg.log_every,
+        time_budget=cfg.time_budget,
     )
 
     # ---- loop
@@ -287,9 +287,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = sampler.next_batch()[
-            data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
-        ]
+        mine_rows = data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
+        starts = sampler.next_batch()[mine_rows]
         batch = data_mod.gather_windows(data.train, starts, cfg.seq_len).to(env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
@@ -343,11 +342,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         stop_code = int(stats[:, 2].max())  # the same on every rank
         if stop_code:
             reason = "signal" if stop_code == 2 else "time_budget"
-        if (
-            cfg.eval_every
-            and (step % cfg.eval_every == 0 or step == cfg.max_steps)
-            and len(data.eval)
-        ):
+        eval_due = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+        if eval_due and len(data.eval):
             eval_loss = _eval_loss(model, data, cfg, env)
             last_eval = step
             if log:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -81,19 +82,28 @@ class Progress:
     """Rank 0's console: a live one-line bar on a terminal, plain log lines otherwise."""
 
     def __init__(
-        self, *, total: int, start: int, mode: str, log_every: int, out: TextIO | None = None
+        self,
+        *,
+        total: int,
+        start: int,
+        mode: str,
+        log_every: int,
+        time_budget: float = 0.0,
+        out: TextIO | None = None,
     ) -> None:
         self.out = out or sys.stdout
+        self.time_budget = time_budget  # seconds; 0: none
         self.bar = mode == "bar" or (mode == "auto" and self.out.isatty())
         self.total, self.start, self.log_every = total, start, log_every
         self._t0 = time.monotonic()
         self._bar_shown = False
 
     def _eta(self, step: int) -> float:
-        done = step - self.start
-        if done <= 0:
-            return math.inf
-        return (time.monotonic() - self._t0) / done * (self.total - step)
+        done, elapsed = step - self.start, time.monotonic() - self._t0
+        left = elapsed / done * (self.total - step) if done > 0 else math.inf
+        if self.time_budget:
+            left = min(left, max(0.0, self.time_budget - elapsed))
+        return left
 
     def step(self, rec: dict[str, Any]) -> None:
         """Show a train record (every step on a bar; every ``log_every`` steps as lines)."""
@@ -110,7 +120,9 @@ class Progress:
             width = 24
             filled = int(width * step / self.total)
             bar = "#" * filled + "-" * (width - filled)
-            self.out.write(f"\r\x1b[2K[{bar}] {text}")
+            columns = shutil.get_terminal_size().columns
+            line = f"[{bar}] {text}"[: max(20, columns - 1)]  # one row, so \r redraws it
+            self.out.write(f"\r\x1b[2K{line}")
             self.out.flush()
             self._bar_shown = True
         elif self.log_every and (step % self.log_every == 0 or step == self.total):

@@ -39,11 +39,11 @@ def _params_on_meta() -> Iterator[None]:
             meta = param.to("meta")
             module._parameters[name] = kind(meta, requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    setattr(nn.Module, "register_parameter", register)  # noqa: B010 (patching a method)
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", original)  # noqa: B010
 
 
 def gpt_config(cfg: TrainConfig) -> GPTConfig:

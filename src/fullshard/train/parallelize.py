@@ -67,15 +67,16 @@ def parallelize(
             _checkpointed(layer)
         if plan.compile:
             layer.compile()
-    kwargs = {
-        "mesh": mesh,
-        "mp_policy": plan.mp_policy(),
-        "offload_policy": plan.offload_policy(),
-        "reshard_after_forward": plan.reshard(),
-    }
+    shard = functools.partial(
+        fully_shard,
+        mesh=mesh,
+        mp_policy=plan.mp_policy(),
+        offload_policy=plan.offload_policy(),
+        reshard_after_forward=plan.reshard(),
+    )
     for layer in units.layers:
-        fully_shard(layer, **kwargs)
+        shard(layer)
     if units.embeddings is not None:
-        fully_shard(units.embeddings, **kwargs)
-    fully_shard(model, **kwargs)
+        shard(units.embeddings)
+    shard(model)
     return model

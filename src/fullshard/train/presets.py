@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 from fullshard.train.config import ConfigError, TrainConfig
 
@@ -65,8 +66,8 @@ def gpt2_124m() -> TrainConfig:
     )
 
 
-def _llama(preset: str, hf: dict[str, object], micro_batch: int) -> TrainConfig:
-    base = {
+def _llama(preset: str, hf: dict[str, Any], micro_batch: int) -> TrainConfig:
+    base: dict[str, Any] = {
         "model_type": "llama",
         "vocab_size": 128256,
         "num_attention_heads": 32,
