@@ -58,6 +58,9 @@ class TrainConfig:
     """Device to train on: auto picks cuda (NCCL) when available, else cpu (gloo)."""
     stop_timeout: int = 300
     """Seconds a rank gets to finish its step and save after Ctrl-C/SIGTERM before SIGKILL."""
+    collective_timeout: int = 600
+    """Seconds a collective waits for the other ranks before failing (a hung or stopped rank):
+    the job then fails, or the agent restarts it, instead of hanging."""
 
     # ---- model
     vocab_size: int = 256
@@ -154,7 +157,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = "max_steps seq_len n_layer d_model n_head vocab_size global_batch"
-        positive += " micro_batch eval_batches stop_timeout"
+        positive += " micro_batch eval_batches stop_timeout collective_timeout"
         for name in positive.split():
             _require(self, name, getattr(self, name) >= 1, "a positive integer")
         nonneg = "max_restarts nproc warmup_steps eval_every ckpt_every keep_last log_every"

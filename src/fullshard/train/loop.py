@@ -92,9 +92,9 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     local_rank = int(env.get("LOCAL_RANK", "0"))
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = _rendezvous_store(rank, world, restarts)
-    kwargs: dict[str, Any] = (
-        {} if store is None else {"store": store, "rank": rank, "world_size": world}
-    )
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.collective_timeout)}
+    if store is not None:
+        kwargs |= {"store": store, "rank": rank, "world_size": world}
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", local_rank)
@@ -386,6 +386,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
                 flush=True,
             )
     sys.stdout.flush()
+    dist.barrier()  # leave together: no rank tears down while rank 0 still writes the plot
     return 0
 
 
