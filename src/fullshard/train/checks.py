@@ -112,7 +112,8 @@ def _check_run_dir(cfg: TrainConfig, *, fresh_launch: bool) -> None:
         ) from None
     if not fresh_launch:
         return
-    from fullshard.checkpoint import CheckpointError, CheckpointReader, latest_checkpoint
+    from fullshard.checkpoint import CheckpointError, latest_checkpoint
+    from fullshard.train.guard import check_resume_checkpoint
 
     if cfg.resume == "never" and latest_checkpoint(run_dir / "checkpoints") is not None:
         raise ConfigError(
@@ -121,11 +122,16 @@ def _check_run_dir(cfg: TrainConfig, *, fresh_launch: bool) -> None:
         )
     if cfg.resume not in ("auto", "never"):
         try:
-            CheckpointReader(cfg.resume)  # a checkpoint, or a run/root directory holding one
+            check_resume_checkpoint(cfg, cfg.resume)  # a checkpoint, or a run/root dir holding one
         except (CheckpointError, OSError) as e:
+            fits = "does not fit the model" in str(e)
             raise ConfigError(
-                f"--resume {cfg.resume}: not a complete checkpoint ({e}); pass auto, never, a "
-                "checkpoint directory or a run directory"
+                f"--resume {cfg.resume}: {'' if fits else 'not a complete checkpoint: '}{e}"
+                + (
+                    "; pass the model flags it was trained with (--preset, --d-model, ...)"
+                    if fits
+                    else "; pass auto, never, a checkpoint directory or a run directory"
+                )
             ) from None
 
 

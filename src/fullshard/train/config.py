@@ -116,7 +116,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     max_skipped_steps: int = 10
-    """Stop with an error after this many consecutive steps with non-finite gradients."""
+    """Consecutive steps with non-finite gradients to skip (no optimizer step on any rank,
+    counted in metrics.jsonl) before stopping with an error; 0 stops at the first one."""
 
     # ---- parallelism and memory
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"

@@ -19,6 +19,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from fullshard.train.guard import LAUNCHER_ENV
 from fullshard.train.metrics import read_metrics
 
 __all__ = ["launch", "package_root"]
@@ -33,6 +34,7 @@ def _worker_env(nproc: int, on_cuda: bool) -> None:
     # Workers inherit the agent's environment.
     if not on_cuda and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    os.environ[LAUNCHER_ENV] = "1"  # see [Note: non-finite gradients] in guard.py
     root = str(package_root())
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if root not in paths:
@@ -42,6 +44,11 @@ def _worker_env(nproc: int, on_cuda: bool) -> None:
 def _stopped_cleanly(run_dir: Path, since: float) -> bool:
     records = read_metrics(run_dir / "metrics.jsonl")
     return any(r.get("kind") == "stop" and r.get("time", 0) >= since for r in records)
+
+
+def _stop_reason(run_dir: Path, since: float) -> str | None:
+    stops = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "stop"]
+    return stops[-1].get("reason") if stops and stops[-1].get("time", 0) >= since else None
 
 
 def launch(
@@ -88,5 +95,7 @@ def launch(
             f"{e.format_msg()}",
             file=sys.stderr,
         )
+        return 1
+    if _stop_reason(run_dir, started) == "nonfinite":  # the ranks printed why
         return 1
     return 0

@@ -31,6 +31,7 @@ from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_
 from fullshard.train import data as data_mod
 from fullshard.train.config import TrainConfig, to_toml
+from fullshard.train.guard import FaultInjector, ResourceProbe, nonfinite_stop
 from fullshard.train.metrics import MetricsLog, Progress, plot
 from fullshard.train.models import (
     META_INIT_THRESHOLD,
@@ -174,6 +175,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
     stop = StopRequest()
+    faults = FaultInjector.from_env(rank=env.rank, attempt=env.restart_count, run_dir=run_dir)
+    probe = ResourceProbe(rank=env.rank, run_dir=run_dir)
 
     # ---- data
     tokens = data_mod.load_tokens(cfg.data, data_dtype=cfg.data_dtype, vocab_size=cfg.vocab_size)
@@ -212,12 +215,13 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     scaler = LossScaler(cfg.mixed_precision == "fp16")
 
     # ---- resume
-    start_step, tokens_seen = 0, 0
+    start_step, tokens_seen, skipped_total = 0, 0, 0
     resume_from = _resume_path(cfg, ckpt_root, env.restart_count)
     if resume_from is not None:
         extra = ckpt.load(resume_from, model=model, optimizer=optimizer)
         start_step = int(extra["step"])
         tokens_seen = int(extra.get("tokens", 0))
+        skipped_total = int(extra.get("skipped_steps", 0))
         sampler.load_state_dict(extra["sampler"])
         scaler.load_state_dict(extra.get("scaler", {}))
     say(
@@ -263,21 +267,24 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             "sampler": sampler.state_dict(),
             "scaler": scaler.state_dict(),
             "world_size": env.world_size,
+            "skipped_steps": skipped_total,
         }
         # overwrite: after an elastic restart the group may redo (and re-save) a step.
-        ckpt.save(
-            path,
-            model=model,
-            optimizer=optimizer,
-            extra=extra,
-            overwrite=True,
-            keep_last=cfg.keep_last or None,
-        )
+        with faults.saving(at):
+            ckpt.save(
+                path,
+                model=model,
+                optimizer=optimizer,
+                extra=extra,
+                overwrite=True,
+                keep_last=cfg.keep_last or None,
+            )
         return path
 
     while step < cfg.max_steps:
         t0 = time.perf_counter()
         step += 1
+        faults.step_begin(step)
         lr = lr_at(
             step,
             lr=cfg.lr,
@@ -298,6 +305,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
             (loss * (scaler.scale / accum)).backward()
             loss_sum += loss.detach()
+        faults.after_backward(step, model)
         grad_norm = _grad_norm_and_clip(model, cfg.grad_clip, 1.0 / scaler.scale)
         finite = math.isfinite(grad_norm)
         if finite:
@@ -305,6 +313,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         optimizer.zero_grad(set_to_none=True)
         scaler.update(finite)
         skipped_in_a_row = 0 if finite else skipped_in_a_row + 1
+        skipped_total += not finite
         tokens_seen += cfg.global_batch * cfg.seq_len
 
         # 2: a signal reached this rank; 1: rank 0's time budget ran out; 0: carry on.
@@ -326,6 +335,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
                 "lr": lr,
                 "grad_norm": grad_norm if finite else None,
                 "skipped": not finite,
+                "skipped_steps": skipped_total,
                 "tokens": tokens_seen,
                 "tokens_per_s": cfg.global_batch * cfg.seq_len / step_time,
                 "step_time_s": step_time,
@@ -333,12 +343,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             }
             log.write("train", **rec)
             progress.step(rec)
-        if skipped_in_a_row > cfg.max_skipped_steps:
-            raise FloatingPointError(
-                f"rank {env.rank}: {skipped_in_a_row} consecutive steps had non-finite "
-                f"gradients (last at step {step}); lower --lr, use --mixed-precision bf16 or "
-                "fp32, or check the data"
-            )
+        if skipped_in_a_row > cfg.max_skipped_steps:  # the same on every rank: grad_norm is
+            reason = "nonfinite"  # global; stop here without saving (see guard.nonfinite_stop)
+            break
         stop_code = int(stats[:, 2].max())  # the same on every rank
         if stop_code:
             reason = "signal" if stop_code == 2 else "time_budget"
@@ -354,8 +361,13 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             break
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
             last_saved = save(step)
+        probe.after_step(step)
     progress.close()
 
+    if reason == "nonfinite":
+        return nonfinite_stop(
+            log, step, skipped_in_a_row, cfg.max_skipped_steps, last_saved, skipped_total
+        )
     if step > start_step and (last_saved is None or last_saved.name != f"step_{step:08d}"):
         last_saved = save(step)
     if (
@@ -372,7 +384,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         _print_sample(model, cfg, data, env)
     if log:
         log.write(
-            "stop", step=step, reason=reason, checkpoint=str(last_saved) if last_saved else None
+            "stop",
+            step=step,
+            reason=reason,
+            checkpoint=str(last_saved) if last_saved else None,
+            skipped_steps=skipped_total,
         )
         log.close()
         plot(run_dir / "metrics.jsonl", run_dir / "loss.png")
