@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +29,17 @@ def record(table: str, case: str, injected: str, outcome: str, ok: bool, **detai
     out = os.environ.get(RESULTS_ENV)
     if not out:
         return
-    row = {"table": table, "case": case, "injected": injected, "outcome": outcome, "ok": ok}
+
+    def tidy(text: str) -> str:  # pytest's temporary paths say nothing in a report
+        return re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s'\"]+", "$TMP", text)
+
+    row = {
+        "table": table,
+        "case": case,
+        "injected": tidy(injected),
+        "outcome": tidy(outcome),
+        "ok": ok,
+    }
     Path(out).mkdir(parents=True, exist_ok=True)
     with open(Path(out) / "rows.jsonl", "a") as f:
         f.write(json.dumps(row | details) + "\n")

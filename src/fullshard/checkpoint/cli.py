@@ -17,6 +17,7 @@ Hugging Face style set (``model-00001-of-00003.safetensors`` ... plus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -148,7 +149,8 @@ def export(
             out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
             for i in range(len(groups))
         ]
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in m.files:  # sizes, header checksums, dtypes, shapes: fail before writing
+        reader.check_file(name)
     # Two buffers reused for every tensor (read, and cast when --dtype changes it): allocating
     # and freeing one per tensor lets malloc keep freed blocks and RSS creep past one tensor.
     read_buf = torch.empty(max((r.nbytes for _, r, _ in items), default=0), dtype=torch.uint8)
@@ -156,16 +158,31 @@ def export(
         max((out_bytes(r) for _, r, _ in items if out_dtype(r) != r.dtype), default=0),
         dtype=torch.uint8,
     )
-    for target, group in zip(names, groups):
-        tmp = target.with_name(target.name + ".tmp")
-        with open(tmp, "wb") as f:
-            write_header(f, [(k, out_dtype(r), r.shape) for k, r, _ in group], {"format": "pt"})
-            for _, rec, src in group:
-                t = reader.read_full(rec, f"model/{src}", _view(read_buf, rec.dtype, rec.shape))
-                if out_dtype(rec) != rec.dtype:
-                    t = _view(cast_buf, out_dtype(rec), rec.shape).copy_(t)
-                f.write(tensor_bytes(t))
-        os.replace(tmp, target)
+    made_dir = not out.parent.exists()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        for target, group in zip(names, groups):
+            tmp = target.with_name(target.name + ".tmp")
+            written.append(tmp)
+            with open(tmp, "wb") as f:
+                entries = [(k, out_dtype(r), r.shape) for k, r, _ in group]
+                write_header(f, entries, {"format": "pt"})
+                for _, rec, src in group:
+                    buf = _view(read_buf, rec.dtype, rec.shape)
+                    t = reader.read_full(rec, f"model/{src}", buf)
+                    if out_dtype(rec) != rec.dtype:
+                        t = _view(cast_buf, out_dtype(rec), rec.shape).copy_(t)
+                    f.write(tensor_bytes(t))
+            os.replace(tmp, target)
+            written[-1] = target
+    except BaseException:  # e.g. a corrupted block found mid-stream: leave nothing behind
+        for path in written:
+            path.unlink(missing_ok=True)
+        if made_dir:
+            with contextlib.suppress(OSError):
+                out.parent.rmdir()
+        raise
     if len(groups) > 1:
         index = {
             "metadata": {"total_size": sum(out_bytes(r) for _, r, _ in items)},

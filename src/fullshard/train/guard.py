@@ -245,12 +245,19 @@ def check_resume_checkpoint(cfg: TrainConfig, path: str) -> None:
     Raises :class:`fullshard.checkpoint.CheckpointError` (or ``OSError``). Block checksums are
     verified while the ranks load, as always.
     """
-    from fullshard.checkpoint import CheckpointReader
+    from fullshard.checkpoint import CheckpointError, CheckpointReader
     from fullshard.checkpoint.loading import apply_model_state
     from fullshard.train.models import build_model
 
     reader = CheckpointReader(path)
     m = reader.manifest
+    missing = [k for k in ("step", "sampler") if k not in m.extra]
+    if m.optimizer is None or missing:
+        what = "no optimizer state" if m.optimizer is None else f"no {' or '.join(missing)}"
+        raise CheckpointError(
+            f"{reader.path} has {what}: it was not saved by fullshard train, which resumes "
+            "model, optimizer and data order together"
+        )
     for name in m.files:
         reader.check_file(name)  # a pickle, a truncated or a swapped file fails here
     model = build_model(cfg, meta=True)
