@@ -69,6 +69,31 @@ def _knobs() -> dict:
     out["rab_losses"] = losses
     out["rab_state"] = full_state(model)
 
+    # implicit prefetch: while block i computes (forward) the all-gather of block i+1 is in
+    # flight, and while block i computes its backward, block i-1's is
+    from fullshard.api import _state
+
+    model = shard_net(make_net())
+    opt = make_optimizer(model)
+    in_flight: list[tuple[str, bool]] = []
+
+    def probe(i: int, phase: str):
+        def hook(*_args):
+            nxt = i + 1 if phase == "fwd" else i - 1
+            group = _state(model.blocks[nxt]).group
+            in_flight.append((f"{phase}{i}", group._gather is not None))
+
+        return hook
+
+    model.blocks[0].up.register_forward_hook(probe(0, "fwd"))
+    model.blocks[1].up.register_forward_hook(probe(1, "fwd"))
+    model.blocks[2].up.register_full_backward_hook(probe(2, "bwd"))
+    model.blocks[1].up.register_full_backward_hook(probe(1, "bwd"))
+    for step in range(2):
+        in_flight.clear()
+        sharded_step(model, opt, step)
+    out["prefetch_in_flight"] = sorted(in_flight)
+
     # ignored parameters stay plain, local and uncommunicated
     net = _TwoLinear()
     fully_shard(net, ignored_params={net.b.weight})
@@ -137,6 +162,13 @@ def test_knobs_and_bad_input() -> None:
     # forward gathers nothing; its backward regathers the 3 blocks (resharded after forward):
     # (4 + 3) + (0 + 3) instead of 2 x (4 + 3)
     assert r["rab_gathers"] == [10, 10, 10], r["rab_gathers"]
+    # second step (the first records the order): every probe saw the neighbour's gather live
+    assert r["prefetch_in_flight"] == [
+        ("bwd1", True),
+        ("bwd2", True),
+        ("fwd0", True),
+        ("fwd1", True),
+    ], r["prefetch_in_flight"]
     assert r["ignored_grad"]
     ag_bytes, sharded_numel = r["ignored_bytes"]
     # one forward gather of a.weight [5->6 rows padded, 6], a.bias [5->6], b.bias [4] in fp32:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from parity import batch, full_state, loss_fn, make_net, make_optimizer, shard_net
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.testing import free_port
+from parity import batch, full_state, loss_fn, make_net, make_optimizer, shard_net
 
 pytestmark = pytest.mark.gpu
 

@@ -72,7 +72,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "backend": "gloo (loopback)",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "load_avg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_avg_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -99,7 +99,10 @@ def run_config(
     for r in range(cfg.repeats):
         for mode in _order(cfg.modes, r):
             t0 = time.perf_counter()
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
             ranks = _spawn(cfg, mode, nproc, timeout)
+            for rk in ranks:
+                rk["load_avg_before"] = load
             raw[mode].append(ranks)
             med = statistics.median(
                 max(rk["step_s"][i] for rk in ranks) for i in range(len(ranks[0]["step_s"]))
@@ -160,6 +163,7 @@ def aggregate(
             "step_s_min": min(per_step),
             "step_s_max": max(per_step),
             "repeat_medians_s": repeat_medians,
+            "load_avg_before_runs": [rs[0].get("load_avg_before") for rs in repeats],
             "tokens_per_s": tokens / statistics.median(per_step),
             "peak_rss_mib_per_rank": peak,
             "peak_rss_mib_max": max(peak),
