@@ -77,7 +77,9 @@ def test_tiny_trains_end_to_end(reference: tuple[Path, str]) -> None:
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     for r in train:
         assert set(r) >= {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_mem_mib"}
-        assert len(r["peak_mem_mib"]) == 2 and r["tokens"] == r["step"] * 8 * 64
+        assert (
+            len(r["peak_mem_mib"]) == len(r["rss_mib"]) == 2 and r["tokens"] == r["step"] * 8 * 64
+        )
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
     assert last < first - 1.5, f"loss did not fall: {first} -> {last}"
     evals = [r for r in records if r["kind"] == "eval"]
