@@ -238,6 +238,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     )
     if resume_from is not None:
         say(f"resumed from {resume_from} at step {start_step}", flush=True)
+    if start_step >= cfg.max_steps:
+        say(f"already trained to step {start_step}; raise --max-steps to train further")
 
     log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step) if env.is_main else None
     if log:
