@@ -387,7 +387,10 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             "stop", step=step, reason=reason, checkpoint=str(last_saved) if last_saved else None
         )
         log.close()
-        plot(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        try:
+            plot(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        except ImportError:  # matplotlib is an optional extra
+            say("loss.png skipped: matplotlib is not installed (pip install 'fullshard[plot]')")
         if reason == "done":
             say(f"done: step {step}, checkpoint {last_saved}, metrics and loss.png in {run_dir}")
         else:
