@@ -77,11 +77,14 @@ def test_tiny_trains_end_to_end(reference: tuple[Path, str]) -> None:
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     for r in train:
         assert set(r) >= {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_mem_mib"}
-        assert len(r["peak_mem_mib"]) == 2 and r["tokens"] == r["step"] * 8 * 64
+        assert (
+            len(r["peak_mem_mib"]) == len(r["rss_mib"]) == 2 and r["tokens"] == r["step"] * 8 * 64
+        )
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
     assert last < first - 1.5, f"loss did not fall: {first} -> {last}"
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [20, 40, 60] and evals[-1]["loss"] < evals[0]["loss"]
+    assert [r["kind"] for r in records].count("start") == 1  # no elastic restart happened
     assert records[0]["kind"] == "start"
     assert (records[-1]["kind"], records[-1]["reason"]) == ("stop", "done")
     png = (run_dir / "loss.png").read_bytes()
@@ -149,6 +152,8 @@ def test_hf_llama_trains(tmp_path: Path) -> None:
     assert "LlamaForCausalLM" in proc.stdout
     losses = _train_losses(run_dir)
     assert len(losses) == 30 and losses[30] < losses[1] - 1.0
+    kinds = [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert kinds.count("start") == 1 and kinds[-1] == "stop"
 
 
 def test_two_agents_multi_node(reference: tuple[Path, str], tmp_path: Path) -> None:

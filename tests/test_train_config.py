@@ -249,3 +249,25 @@ def test_progress_bar_and_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     out = io.StringIO()
     Progress(total=10, start=0, mode="bar", log_every=5, out=out).step(rec)
     assert len(out.getvalue()) <= len("\r\x1b[2K") + 39
+
+
+def test_hf_config_from_file_dir_or_inline(tmp_path: Path) -> None:
+    from fullshard.train import hf
+
+    raw = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert hf.parse_config(str(tmp_path)) == raw
+    assert hf.parse_config(str(tmp_path / "config.json")) == raw
+    assert hf.parse_config(json.dumps(raw)) == raw
+    with pytest.raises(hf.HFError, match="--hf-config"):
+        hf.parse_config(str(tmp_path / "missing.json"))
+
+
+def test_bin_tokens_beyond_the_vocabulary_fail_fast(
+    tmp_path: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "tokens.bin"
+    (np.arange(5000) % 1000).astype(np.uint16).tofile(path)
+    args = ["--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--data", str(path)]
+    _fails(args, capsys, "token ids up to 999", "--vocab-size")
+    assert no_launch == []

@@ -40,6 +40,16 @@ _GROUPS = {
     "eval_every": "evaluation, checkpoints and output",
 }
 
+_METAVARS = {
+    "name": "NAME",
+    "run_dir": "DIR",
+    "data": "PATH",
+    "hf_config": "PATH_OR_JSON",
+    "hf_weights": "PATH",
+    "resume": "{auto,never,PATH}",
+    "sample_prompt": "TEXT",
+}
+
 _EPILOG = """\
 run directory: config.toml (the resolved config), metrics.jsonl (one JSON line per step and
 eval), loss.png, checkpoints/step_XXXXXXXX/. Rerunning the same command resumes.
@@ -93,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = list(typing.get_args(hint))
         else:
             kwargs["type"] = hint
-            kwargs["metavar"] = {int: "N", float: "X"}.get(hint, "STR")
-        shown = repr(default) if isinstance(default, str) else default
-        if f.name not in ("hf_config",):
-            text += f" (default: {shown})"
+            kwargs["metavar"] = _METAVARS.get(f.name) or {int: "N", float: "X"}.get(hint, "STR")
+        if default != "" and f.name != "hf_config":
+            text += (
+                f" (default: {default!r})" if isinstance(default, str) else f" (default: {default})"
+            )
         group.add_argument(flag(f.name), help=text.replace("%", "%%"), **kwargs)
     return parser
 

@@ -1,7 +1,7 @@
 """The training loop every rank runs: build, shard, resume, step, evaluate, save, sample.
 
 [Note: one decision per step] After every optimizer step each rank contributes
-``[loss, peak memory, stop requested]`` to one all-gather. Rank 0 logs from it, and every rank
+``[loss, peak memory, stop requested, resident memory]`` to one all-gather. Rank 0 logs from it, and every rank
 reads the same stop decision from it (a Ctrl-C/SIGTERM that reached any rank, or the time
 budget on rank 0), so all ranks stop after the same step, save the same checkpoint together
 and exit 0. A signal never interrupts a step or a collective: the handler only sets a flag.
@@ -119,6 +119,15 @@ class StopRequest:
         self.signal = signum
 
 
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _peak_mem_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -233,6 +242,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     )
     if resume_from is not None:
         say(f"resumed from {resume_from} at step {start_step}", flush=True)
+    if start_step >= cfg.max_steps:
+        say(f"already trained to step {start_step}; raise --max-steps to train further")
 
     log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step) if env.is_main else None
     if log:
@@ -320,13 +331,13 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         over_budget = env.is_main and 0 < cfg.time_budget < time.monotonic() - t_start
         wants_stop = 2.0 if stop.signal is not None else 1.0 if over_budget else 0.0
         mine = torch.tensor(
-            [float(loss_sum) / accum, _peak_mem_mib(env.device), wants_stop],
+            [float(loss_sum) / accum, _peak_mem_mib(env.device), wants_stop, _rss_mib()],
             dtype=torch.float64,
             device=env.device,
         )
         gathered = [torch.empty_like(mine) for _ in range(env.world_size)]
         dist.all_gather(gathered, mine)
-        stats = torch.stack(gathered).cpu()  # [world, 3]
+        stats = torch.stack(gathered).cpu()  # [world, 4]
         step_time = time.perf_counter() - t0
         if log:
             rec = {
@@ -340,6 +351,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
                 "tokens_per_s": cfg.global_batch * cfg.seq_len / step_time,
                 "step_time_s": step_time,
                 "peak_mem_mib": [round(float(m), 1) for m in stats[:, 1]],
+                "rss_mib": [round(float(m), 1) for m in stats[:, 3]],
             }
             log.write("train", **rec)
             progress.step(rec)
@@ -391,7 +403,10 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             skipped_steps=skipped_total,
         )
         log.close()
-        plot(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        try:
+            plot(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        except ImportError:  # matplotlib is an optional extra
+            say("loss.png skipped: matplotlib is not installed (pip install 'fullshard[plot]')")
         if reason == "done":
             say(f"done: step {step}, checkpoint {last_saved}, metrics and loss.png in {run_dir}")
         else:

@@ -8,6 +8,7 @@ run it to logits, and sample from it. Models never import fullshard.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -90,7 +91,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate a meta-built (sharded) model on ``device`` and initialise its parameters."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # Initialising DTensor shards on a CPU mesh works; torch warns that it may not.
+        warnings.filterwarnings("ignore", message="DTensor random operators")
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
         if isinstance(model, GPT):
