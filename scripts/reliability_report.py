@@ -142,9 +142,29 @@ def render(rows: list[dict[str, Any]], outcomes: dict[str, tuple[str, float]], c
             ["case", "injected", "outcome", "result", "time"],
         ),
         "",
-        "Behaviour to know: when a rank is *stopped* (SIGSTOP) rather than dead, the elastic "
-        "agent needs up to 30 s (its hard-coded SIGTERM-to-SIGKILL grace when it tears down a "
-        "failed group) before it can restart or exit, on top of `--collective-timeout`.",
+        "What the trainer does, and the knobs:",
+        "",
+        "- A rank that dies (any signal, any exit status) fails the group; torchrun's agent "
+        "restarts it up to `--max-restarts` times (default 1), and every restart resumes from "
+        "the newest *complete* checkpoint (`--resume auto`). A save cut short leaves only a "
+        "`.partial` directory, which is ignored and later removed.",
+        "- A rank that hangs makes the others fail after `--collective-timeout` seconds "
+        "(default 600) with a `CollectiveError` naming the collective, the unit and the rank. "
+        "When the hung rank is *stopped* (SIGSTOP) rather than dead, the agent needs up to 30 s "
+        "more (its hard-coded SIGTERM-to-SIGKILL grace when tearing down a failed group) before "
+        "it restarts or exits.",
+        "- A rank whose forward skips a unit the others run (a data-dependent branch) gets an "
+        "error, never a deadlock: a `CollectiveError` after the timeout, or gloo's own size "
+        "mismatch error (`tests/test_faults_engine.py`). Such models are not supported; run the "
+        "same units on every rank.",
+        "- Non-finite gradients: the global gradient norm (`fullshard.clip_grad_norm_`, "
+        "all-reduced) is the same on every rank, so every rank skips the same optimizer steps. "
+        "`metrics.jsonl` marks each step `skipped` and counts `skipped_steps`; more than "
+        "`--max-skipped-steps` (default 10) in a row stops the run with exit 1 and no elastic "
+        "restart (it would replay the same steps).",
+        "- `--resume PATH` is checked before launch: a complete checkpoint, file headers that "
+        "match its manifest, optimizer and data-order state present, tensors that fit the "
+        "model (names and shapes). Block checksums are verified as the ranks load.",
         "",
         f"## Bad input ({sum(r['ok'] for r in by['inputs'])} of {len(by['inputs'])} refused "
         "with a clear error, before any process was spawned)",

@@ -31,7 +31,7 @@ def record(table: str, case: str, injected: str, outcome: str, ok: bool, **detai
         return
 
     def tidy(text: str) -> str:  # pytest's temporary paths say nothing in a report
-        return re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s'\"]+", "$TMP", text)
+        return re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s'\":,]+", "$TMP", text)
 
     row = {
         "table": table,

@@ -10,6 +10,7 @@ Engine-level faults (a stuck rank, a divergent code path) are in ``test_faults_e
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -135,6 +136,43 @@ def test_sigstop_rank_fails_the_group_within_the_timeout(corpus: Path, tmp_path:
         f"rank 0 raised CollectiveError after {waited:.1f}s: {message.split(' (group')[0]}; "
         "job exited 1 (with --max-restarts > 0 the agent restarts it after the agent's 30 s "
         "SIGTERM grace)",
+        True,
+        seconds=round(seconds, 1),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("FULLSHARD_RUN_SLOW") != "1", reason="slow (~1 min): set FULLSHARD_RUN_SLOW=1"
+)
+def test_sigstop_rank_then_elastic_restart_bit_identical(
+    corpus: Path, reference: Path, tmp_path: Path
+) -> None:
+    """The same hang with a restart allowed: the group fails after the timeout, the agent kills
+    the stopped rank (after its 30 s grace), restarts, and the run resumes from step 5 and
+    finishes bit-identical to the uninterrupted one."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(corpus, run_dir, STEPS, "--ckpt-every", "5", "--max-restarts", "1")
+    args += ["--collective-timeout", "4"]
+    proc, seconds = fullshard(
+        *args, cwd=tmp_path, timeout=300, FULLSHARD_FAULT="stop@step=8,rank=1"
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    stopped_at = float(_faults(run_dir)[0]["time"])  # type: ignore[arg-type]
+    starts = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "start"]
+    assert [s["step"] for s in starts] == [0, 5], starts
+    restart_after = starts[1]["time"] - stopped_at
+    assert _losses(run_dir) == _losses(reference)
+    diff = differing(checkpoint_tensors(_final(run_dir)), checkpoint_tensors(_final(reference)))
+    assert diff == [], diff
+    record(
+        "faults",
+        "Hung rank (SIGSTOP), restart allowed",
+        "rank 1 of 2 stopped at step 8; --collective-timeout 4, --max-restarts 1",
+        f"group failed after the timeout; restarted {restart_after:.0f} s after the stop "
+        "(timeout + the agent's 30 s grace + start-up); resumed from step 5; final state "
+        "bit-identical",
         True,
         seconds=round(seconds, 1),
     )
