@@ -217,3 +217,17 @@ def test_nonfinite_gradients_are_skipped_on_every_rank_then_stop(
         True,
         seconds=round(seconds, 1),
     )
+
+
+def test_fault_spec_parsing() -> None:
+    """The test hook's grammar (a typo must fail loudly, not inject nothing)."""
+    from fullshard.train.guard import Fault, parse_faults
+
+    assert parse_faults("") == []
+    assert parse_faults("kill@step=13,rank=1;nan_grad@steps=3|6,attempt=*") == [
+        Fault("kill", frozenset({13}), rank=1, attempt=0),
+        Fault("nan_grad", frozenset({3, 6}), rank=0, attempt=None),
+    ]
+    for bad in ("explode@step=1", "kill@rank=1", "kill@step=1,when=now"):
+        with pytest.raises(ValueError, match="FULLSHARD_FAULT"):
+            parse_faults(bad)
