@@ -230,8 +230,8 @@ class ParamGroup:
         return self._unsharded_buf.untyped_storage().nbytes()
 
     # ---------------------------------------------------------------------------- unshard
-    def _pack_shards(self, dtype: torch.dtype) -> torch.Tensor:
-        inp = torch.empty(self.total, dtype=dtype, device=self.device)
+    def _pack_shards(self, inp: torch.Tensor) -> torch.Tensor:
+        """Copy this rank's shards into ``inp`` (1-D, ``total`` elements; casts to its dtype)."""
         meta = [sp.fqn for sp in self.params if sp.local.is_meta]
         if meta:
             raise RuntimeError(
@@ -265,16 +265,20 @@ class ParamGroup:
                 inp, self._post_forward_chunk = self._post_forward_chunk, None
                 group = self.post_forward_group
                 assert group is not None
-                ranks = dist.get_world_size(group)
+                out = torch.empty(
+                    inp.numel() * dist.get_world_size(group), dtype=inp.dtype, device=self.device
+                )
+            elif wire == torch.int8:
+                group = self.info.shard_group
+                full = torch.empty(self.total, dtype=torch.float32, device=self.device)
+                inp = quantize_int8(self._pack_shards(full), self.comm_policy.block_size)
+                del full
+                out = torch.empty(inp.numel() * self.world, dtype=inp.dtype, device=self.device)
             else:
-                group, ranks = self.info.shard_group, self.world
-                if wire == torch.int8:
-                    inp = quantize_int8(
-                        self._pack_shards(torch.float32), self.comm_policy.block_size
-                    )
-                else:
-                    inp = self._pack_shards(wire)
-            out = torch.empty(inp.numel() * ranks, dtype=inp.dtype, device=self.device)
+                # Gather in place: this rank's slot of the output is the input (no extra copy).
+                group = self.info.shard_group
+                out = torch.empty(self.world * self.total, dtype=wire, device=self.device)
+                inp = self._pack_shards(out.view(self.world, self.total)[self.info.shard_rank])
             handle = C.all_gather(out, inp, group, async_op=async_op, what=f"unit {self.name!r}")
         self._gather = (handle, out, inp)
 
@@ -364,6 +368,7 @@ class ParamGroup:
                     ready.append((sp, grad))
                 else:
                     sp.unsharded_accum_grad = grad
+            del grad  # ``ready`` must hold the only references (see _reduce_scatter)
         if self.reshard_after_backward:
             self.reshard()
         if not ready:
@@ -373,6 +378,8 @@ class ParamGroup:
     def _reduce_scatter(
         self, ready: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype
     ) -> _PendingReduce:
+        """Pack ``ready`` into one buffer and reduce it; empties ``ready`` as it packs, so each
+        full-size gradient is freed right after its copy (peak: the buffer + one gradient)."""
         world = self.world
         offsets, off = [], 0
         for sp, _ in ready:
@@ -388,9 +395,13 @@ class ParamGroup:
         pre = math.sqrt(factor) if dtype == torch.float16 else 1.0
         with torch.no_grad():
             send = torch.empty(world, total, dtype=dtype, device=self.device)
-            for (sp, grad), o in zip(ready, offsets):
+            params = [sp for sp, _ in ready]
+            grads: list[torch.Tensor | None] = [g for _, g in ready]
+            ready.clear()
+            for i, (sp, o) in enumerate(zip(params, offsets)):
                 dst = send[:, o : o + sp.shard_numel]
-                flat = grad.reshape(-1)
+                flat = grads[i].reshape(-1)  # type: ignore[union-attr]
+                grads[i] = None  # the packed copy is all we need from here on
                 full, rem = divmod(sp.numel, sp.shard_numel)
                 if full:
                     dst[:full].copy_(flat[: full * sp.shard_numel].view(full, sp.shard_numel))
@@ -398,14 +409,17 @@ class ParamGroup:
                     dst[full, :rem].copy_(flat[full * sp.shard_numel :])
                     dst[full, rem:].zero_()
                     dst[full + 1 :].zero_()
+                del flat
             if pre != 1.0:
                 send.div_(pre)
-            out = torch.empty(total, dtype=dtype, device=self.device)
+            # One rank: the packed buffer already is the result (no copy, no second buffer).
+            out = (
+                send.view(-1) if world == 1 else torch.empty(total, dtype=dtype, device=self.device)
+            )
             what = f"gradients of unit {self.name!r}"
             handle = C.reduce_scatter(out, send.view(-1), self.info.shard_group, what=what)
         hsdp = self.info.replicate_size > 1
         replicate = self.info.replicate_group if hsdp and self.requires_all_reduce else None
-        params = [sp for sp, _ in ready]
         return _PendingReduce(
             handle,
             out,

@@ -80,7 +80,7 @@ def _spawn(cfg: BenchConfig, mode: str, nproc: int, timeout: float) -> list[dict
     world = 1 if mode == "single" else nproc
     env = dict(MALLOC_ENV, OMP_NUM_THREADS=str(nproc if mode == "single" else 1))
     with _environ(MALLOC_ENV):  # in the parent's environ so children are born with it
-        return run_distributed(run_rank, world, asdict(cfg), mode, timeout=timeout, env=env)
+        return run_distributed(run_rank, world, asdict(cfg), mode, nproc, timeout=timeout, env=env)
 
 
 def _order(modes: tuple[str, ...], repeat: int) -> tuple[str, ...]:

@@ -120,8 +120,15 @@ def _meter(mode: str) -> Any:
     return None
 
 
-def run_rank(cfg_dict: dict[str, Any], mode: str) -> dict[str, Any]:
-    """Train ``cfg.steps`` steps under ``mode`` on this rank; return timings, losses, memory, comm."""
+def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps under ``mode`` on this rank; return timings, losses, memory, comm.
+
+    ``single`` (one process) trains the global batch of a ``ref_world``-rank run as
+    ``ref_world`` micro-batches — exactly the ranks' slices — with gradient accumulation, so it
+    sums gradients in the same grouping as data parallelism: the single-process reference the
+    loss check compares against. (One big batch sums in another order; Adam's first steps
+    amplify that rounding difference to ~1e-5 relative, which is not a training difference.)
+    """
     fields: dict[str, Any] = {
         k: tuple(v) if isinstance(v, list) else v for k, v in cfg_dict.items()
     }
@@ -129,8 +136,12 @@ def run_rank(cfg_dict: dict[str, Any], mode: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     gc.collect()
     rss_runtime = current_rss_bytes()  # interpreter + torch + gloo, before any model memory
-    global_batch = cfg.global_batch(world)
-    batches = make_batches(cfg, global_batch, rank, world)
+    micro = ref_world if mode == "single" else 1
+    global_batch = cfg.global_batch(world * micro)
+    # [micro-batch][step] -> (inputs, targets); one micro-batch except for `single`
+    slices = [
+        make_batches(cfg, global_batch, rank * micro + i, world * micro) for i in range(micro)
+    ]
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg))
     n_params = model.num_parameters()
@@ -146,17 +157,21 @@ def run_rank(cfg_dict: dict[str, Any], mode: str) -> dict[str, Any]:
     times: list[float] = []
     losses: list[float] = []
     comm: dict[str, Any] | None = None
-    for step, (x, y) in enumerate(batches):
+    for step in range(cfg.steps):
         if step == cfg.warmup and meter is not None:
             meter.reset()
         t0 = time.perf_counter()
-        logits = net(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        loss.backward()
+        step_loss = 0.0
+        for mb in slices:
+            x, y = mb[step]
+            logits = net(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            (loss / micro if micro > 1 else loss).backward()
+            step_loss += float(loss.detach()) / micro
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+        losses.append(step_loss)
     timed = cfg.steps - cfg.warmup
     peak_rss = peak_rss_bytes()
     if meter is not None:
