@@ -44,6 +44,34 @@ class ShardedState(enum.Enum):
 
 
 @dataclass
+class _PartialReduce:
+    """Reduce-scatter outputs summed over micro-steps that skipped the HSDP all-reduce."""
+
+    total: torch.Tensor | None = None
+    params: list[ShardedParam] | None = None
+
+    def add(self, output: torch.Tensor, params: list[ShardedParam]) -> None:
+        self._check(params)
+        if self.total is None:
+            self.total, self.params = output, params
+        else:
+            self.total.add_(output)
+
+    def drain_into(self, output: torch.Tensor, params: list[ShardedParam]) -> None:
+        if self.total is not None:
+            self._check(params)
+            output.add_(self.total)
+        self.total, self.params = None, None
+
+    def _check(self, params: list[ShardedParam]) -> None:
+        if self.params is not None and [id(p) for p in params] != [id(p) for p in self.params]:
+            raise RuntimeError(
+                "the parameters with gradients changed between micro-steps that skipped the "
+                "all-reduce (set_requires_all_reduce(False)); keep the same parameters in use"
+            )
+
+
+@dataclass
 class _PendingReduce:
     """A reduce-scatter (and, for HSDP, the all-reduce after it) in flight."""
 
@@ -54,6 +82,10 @@ class _PendingReduce:
     replicate_group: dist.ProcessGroup | None
     divide_after: float
     send: torch.Tensor | None  # the packed input; gloo reads it until the collective ends
+    what: str  # for error messages
+    # HSDP with set_requires_all_reduce(False): keep the reduce-scatter output as a partial
+    # sum in ``partial`` (shared with the group) instead of producing gradients.
+    partial: _PartialReduce | None = None
     allreduce_issued: bool = False
 
     def advance(self) -> None:
@@ -61,14 +93,19 @@ class _PendingReduce:
         if self.replicate_group is not None and not self.allreduce_issued:
             self.handle.wait()
             self.send = None
-            self.handle = C.all_reduce(self.output, self.replicate_group)
+            if self.partial is not None:
+                self.partial.drain_into(self.output, self.params)
+            self.handle = C.all_reduce(self.output, self.replicate_group, what=self.what)
             self.allreduce_issued = True
 
     def finish(self) -> None:
-        """Wait, then hand every parameter its gradient shard."""
+        """Wait, then hand every parameter its gradient shard (or keep a partial sum)."""
         self.advance()
         self.handle.wait()
         self.send = None
+        if self.replicate_group is None and self.partial is not None:
+            self.partial.add(self.output, self.params)
+            return
         if self.divide_after != 1.0:
             self.output.div_(self.divide_after)
         for sp, off in zip(self.params, self.offsets):
@@ -107,6 +144,7 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
+        self._partial = _PartialReduce()  # HSDP accumulation without the all-reduce
         # Post-forward partial reshard (reshard_after_forward=int): kept chunk and its group.
         self.post_forward_group: dist.ProcessGroup | None = None
         self.post_forward_index = 0  # this rank's index within post_forward_group
@@ -192,8 +230,8 @@ class ParamGroup:
         return self._unsharded_buf.untyped_storage().nbytes()
 
     # ---------------------------------------------------------------------------- unshard
-    def _pack_shards(self, dtype: torch.dtype) -> torch.Tensor:
-        inp = torch.empty(self.total, dtype=dtype, device=self.device)
+    def _pack_shards(self, inp: torch.Tensor) -> torch.Tensor:
+        """Copy this rank's shards into ``inp`` (1-D, ``total`` elements; casts to its dtype)."""
         meta = [sp.fqn for sp in self.params if sp.local.is_meta]
         if meta:
             raise RuntimeError(
@@ -227,17 +265,21 @@ class ParamGroup:
                 inp, self._post_forward_chunk = self._post_forward_chunk, None
                 group = self.post_forward_group
                 assert group is not None
-                ranks = dist.get_world_size(group)
+                out = torch.empty(
+                    inp.numel() * dist.get_world_size(group), dtype=inp.dtype, device=self.device
+                )
+            elif wire == torch.int8:
+                group = self.info.shard_group
+                full = torch.empty(self.total, dtype=torch.float32, device=self.device)
+                inp = quantize_int8(self._pack_shards(full), self.comm_policy.block_size)
+                del full
+                out = torch.empty(inp.numel() * self.world, dtype=inp.dtype, device=self.device)
             else:
-                group, ranks = self.info.shard_group, self.world
-                if wire == torch.int8:
-                    inp = quantize_int8(
-                        self._pack_shards(torch.float32), self.comm_policy.block_size
-                    )
-                else:
-                    inp = self._pack_shards(wire)
-            out = torch.empty(inp.numel() * ranks, dtype=inp.dtype, device=self.device)
-            handle = C.all_gather(out, inp, group, async_op=async_op)
+                # Gather in place: this rank's slot of the output is the input (no extra copy).
+                group = self.info.shard_group
+                out = torch.empty(self.world * self.total, dtype=wire, device=self.device)
+                inp = self._pack_shards(out.view(self.world, self.total)[self.info.shard_rank])
+            handle = C.all_gather(out, inp, group, async_op=async_op, what=f"unit {self.name!r}")
         self._gather = (handle, out, inp)
 
     def wait_for_unshard(self) -> None:
@@ -326,6 +368,7 @@ class ParamGroup:
                     ready.append((sp, grad))
                 else:
                     sp.unsharded_accum_grad = grad
+            del grad  # ``ready`` must hold the only references (see _reduce_scatter)
         if self.reshard_after_backward:
             self.reshard()
         if not ready:
@@ -335,6 +378,8 @@ class ParamGroup:
     def _reduce_scatter(
         self, ready: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype
     ) -> _PendingReduce:
+        """Pack ``ready`` into one buffer and reduce it; empties ``ready`` as it packs, so each
+        full-size gradient is freed right after its copy (peak: the buffer + one gradient)."""
         world = self.world
         offsets, off = [], 0
         for sp, _ in ready:
@@ -343,16 +388,20 @@ class ParamGroup:
         total = off
         factor = self.gradient_divide_factor
         if factor is None:
-            factor = float(world * (self.info.replicate_size if self.requires_all_reduce else 1))
+            factor = float(world * self.info.replicate_size)
         if self.force_sum_reduction:
             factor = 1.0
         # fp16 sums overflow easily: divide by sqrt(factor) before and after the reduction.
         pre = math.sqrt(factor) if dtype == torch.float16 else 1.0
         with torch.no_grad():
             send = torch.empty(world, total, dtype=dtype, device=self.device)
-            for (sp, grad), o in zip(ready, offsets):
+            params = [sp for sp, _ in ready]
+            grads: list[torch.Tensor | None] = [g for _, g in ready]
+            ready.clear()
+            for i, (sp, o) in enumerate(zip(params, offsets)):
                 dst = send[:, o : o + sp.shard_numel]
-                flat = grad.reshape(-1)
+                flat = grads[i].reshape(-1)  # type: ignore[union-attr]
+                grads[i] = None  # the packed copy is all we need from here on
                 full, rem = divmod(sp.numel, sp.shard_numel)
                 if full:
                     dst[:full].copy_(flat[: full * sp.shard_numel].view(full, sp.shard_numel))
@@ -360,15 +409,28 @@ class ParamGroup:
                     dst[full, :rem].copy_(flat[full * sp.shard_numel :])
                     dst[full, rem:].zero_()
                     dst[full + 1 :].zero_()
+                del flat
             if pre != 1.0:
                 send.div_(pre)
-            out = torch.empty(total, dtype=dtype, device=self.device)
-            handle = C.reduce_scatter(out, send.view(-1), self.info.shard_group)
-        replicate = self.info.replicate_group if self.requires_all_reduce else None
-        if self.info.replicate_size == 1:
-            replicate = None
-        params = [sp for sp, _ in ready]
-        return _PendingReduce(handle, out, params, offsets, replicate, factor / pre, send)
+            # One rank: the packed buffer already is the result (no copy, no second buffer).
+            out = (
+                send.view(-1) if world == 1 else torch.empty(total, dtype=dtype, device=self.device)
+            )
+            what = f"gradients of unit {self.name!r}"
+            handle = C.reduce_scatter(out, send.view(-1), self.info.shard_group, what=what)
+        hsdp = self.info.replicate_size > 1
+        replicate = self.info.replicate_group if hsdp and self.requires_all_reduce else None
+        return _PendingReduce(
+            handle,
+            out,
+            params,
+            offsets,
+            replicate,
+            factor / pre,
+            send,
+            what,
+            partial=self._partial if hsdp else None,
+        )
 
     def finish_backward(self) -> None:
         """End of backward: drop per-backward counters; free anything still gathered."""

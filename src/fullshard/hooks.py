@@ -105,6 +105,8 @@ class FSDPState:
         names = {id(m): n for root in self.modules for n, m in root.named_modules()}
         meta: list[str] = []
         for st in self.states:
+            unit = names.get(id(st.modules[0]), "")
+            st.group.name = unit or f"{type(st.modules[0]).__name__} (root)"
             for sp in st.group.params:
                 sp.sync_from_modules()
                 module, attr = sp.refs[0]
@@ -288,14 +290,16 @@ class FSDPState:
         """All of the unit's gradients are ready: reshard and reduce-scatter them."""
         root = self.root
         assert root is not None
+        # Finish the previous unit's reduction first (it has had this unit's whole backward to
+        # complete in the background), so its buffer is freed before this one is allocated:
+        # at most one reduction in flight.
+        for p in root._pending:
+            p.finish()
+        root._pending = []
         pending = self.group.reduce_grads()
         self.training_state = TrainingState.POST_BACKWARD
         if pending is not None:
-            # Finish the previous reduction now: bounded memory, and it has had a whole unit's
-            # backward to complete in the background.
-            for p in root._pending:
-                p.finish()
-            root._pending = [pending]
+            root._pending.append(pending)
 
     def _finish_backward(self) -> None:
         """End-of-backward callback (root): complete every unit, wait for reductions."""

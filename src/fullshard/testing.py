@@ -13,6 +13,7 @@ fullshard code the same way.
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import queue
@@ -46,6 +47,7 @@ def _child(
     args: tuple[Any, ...],
     env: dict[str, str],
     results: Any,
+    pg_timeout: float | None,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -63,7 +65,8 @@ def _child(
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        timeout = None if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
         out = fn(*args)
         # Plain pickle: tensors travel as bytes, not as shared-memory handles that die with us.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -80,13 +83,15 @@ def run_distributed(
     *args: Any,
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
+    pg_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
 
     ``fn`` must be importable by name (defined at module level) and its return value picklable.
     Inside ``fn``, ``torch.distributed`` is initialised and ``RANK``/``WORLD_SIZE`` are set.
     ``env`` adds environment variables to the children (``OMP_NUM_THREADS`` defaults to 1 so
-    ranks do not oversubscribe the cores).
+    ranks do not oversubscribe the cores). ``pg_timeout`` sets the process group's collective
+    timeout in seconds (torch's default when ``None``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -98,7 +103,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world_size, port, fn, args, child_env, results),
+            args=(rank, world_size, port, fn, args, child_env, results, pg_timeout),
             daemon=True,
         )
         for rank in range(world_size)

@@ -1,0 +1,205 @@
+"""Checks that need the world size, the data or the filesystem, run before any process spawns.
+
+Each failure is a :class:`ConfigError` whose message names the flag and the fix, so a bad
+command costs a second, not a launch. (Checks a config can do alone are in its
+``__post_init__``.)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fullshard.train import data as data_mod
+from fullshard.train import hf
+from fullshard.train.config import ConfigError, TrainConfig
+from fullshard.train.models import count_parameters, vocab_size_of
+
+__all__ = ["Checked", "default_nproc", "uses_cuda", "validate"]
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What validation learned on the way (printed before launch)."""
+
+    world_size: int
+    n_tokens: int
+    n_params: int
+
+
+def default_nproc(cfg: TrainConfig) -> int:
+    """``--nproc 0``: every GPU when training on CUDA, else 2 CPU ranks."""
+    if uses_cuda(cfg):
+        return torch.cuda.device_count()
+    return 2
+
+
+def uses_cuda(cfg: TrainConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def _host_memory_bytes() -> int:
+    """Memory available to new processes now (MemAvailable), else physical memory, else 0."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _check_host_memory(cfg: TrainConfig, world: int, n_params: int, vocab: int) -> None:
+    """Refuse a CPU run that clearly cannot fit in this host's memory (a rough lower bound).
+
+    Per rank: fp32 parameters, gradients and two AdamW moments, sharded (16 bytes/parameter/
+    rank); one full fp32 copy while building when not built on meta; the logits, their fp32
+    copy and gradient (12 bytes x tokens x vocab); and layer activations (~70 bytes x tokens
+    x width per layer in fp32, ~4 with activation checkpointing). ``fullshard plan`` predicts
+    a step's peak properly.
+    """
+    hidden, layers = cfg.d_model, cfg.n_layer
+    if cfg.uses_hf:
+        hf_cfg = hf.make_config(hf.parse_config(cfg.hf_config))
+        hidden = int(getattr(hf_cfg, "hidden_size", 0) or getattr(hf_cfg, "n_embd", 0) or hidden)
+        layers = int(
+            getattr(hf_cfg, "num_hidden_layers", 0) or getattr(hf_cfg, "n_layer", 0) or layers
+        )
+    tokens = cfg.micro_batch * cfg.seq_len
+    per_layer = (4 if cfg.activation_checkpointing else 70) * tokens * hidden
+    build = 0 if n_params > 1e9 or cfg.init == "meta" else 4 * n_params
+    per_rank = 16 * n_params / world + build + 12 * tokens * vocab + per_layer * layers
+    host = _host_memory_bytes()
+    if host and per_rank * world > 0.9 * host:
+        raise ConfigError(
+            f"--preset {cfg.preset}: {n_params / 1e9:.2f}B parameters at --micro-batch "
+            f"{cfg.micro_batch} x --seq-len {cfg.seq_len} need at least "
+            f"{per_rank * world / 2**30:.0f} GiB on this CPU-only host, which has "
+            f"{host / 2**30:.0f} GiB available; train it on GPUs, lower --micro-batch or "
+            "--seq-len, or pick --preset small"
+        )
+
+
+def _check_batch(cfg: TrainConfig, world: int) -> None:
+    unit = world * cfg.micro_batch
+    if cfg.global_batch % unit:
+        up = (cfg.global_batch // unit + 1) * unit
+        raise ConfigError(
+            f"--global-batch {cfg.global_batch} is not divisible by ranks x --micro-batch = "
+            f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
+            f"or --nproc that divides {cfg.global_batch}"
+        )
+
+
+def _check_run_dir(cfg: TrainConfig, *, fresh_launch: bool) -> None:
+    run_dir = Path(cfg.resolved_run_dir())
+    try:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{uuid.uuid4().hex}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"--run-dir {run_dir} is not writable ({e.strerror or e}); pick another --run-dir"
+        ) from None
+    if not fresh_launch:
+        return
+    from fullshard.checkpoint import CheckpointError, latest_checkpoint
+    from fullshard.train.guard import check_resume_checkpoint
+
+    if cfg.resume == "never" and latest_checkpoint(run_dir / "checkpoints") is not None:
+        raise ConfigError(
+            f"--resume never, but {run_dir}/checkpoints already holds checkpoints; use "
+            "--resume auto to continue that run, a new --run-dir, or delete the old one"
+        )
+    if cfg.resume not in ("auto", "never"):
+        try:
+            check_resume_checkpoint(cfg, cfg.resume)  # a checkpoint, or a run/root dir holding one
+        except (CheckpointError, OSError) as e:
+            fits = "does not fit the model" in str(e)
+            raise ConfigError(
+                f"--resume {cfg.resume}: {'' if fits else 'not a complete checkpoint: '}{e}"
+                + (
+                    "; pass the model flags it was trained with (--preset, --d-model, ...)"
+                    if fits
+                    else "; pass auto, never, a checkpoint directory or a run directory"
+                )
+            ) from None
+
+
+def _check_device(cfg: TrainConfig, world: int) -> None:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA GPU is visible; use --device cpu")
+    if uses_cuda(cfg) and world > torch.cuda.device_count():
+        raise ConfigError(
+            f"--nproc {world} exceeds the {torch.cuda.device_count()} visible GPU(s); lower "
+            "--nproc (one rank per GPU) or use --device cpu"
+        )
+
+
+def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
+    if cfg.uses_hf:
+        try:
+            vocab, context = hf.vocab_and_context(hf.parse_config(cfg.hf_config))
+        except hf.HFError as e:
+            raise ConfigError(str(e)) from None
+        if context is not None and context < cfg.seq_len:
+            raise ConfigError(
+                f"--seq-len {cfg.seq_len} exceeds the --hf-config model's context of {context}; "
+                f"lower --seq-len or raise max_position_embeddings"
+            )
+        if cfg.hf_weights and not Path(cfg.hf_weights).expanduser().exists():
+            raise ConfigError(f"--hf-weights: {cfg.hf_weights!r} does not exist")
+    else:
+        vocab = cfg.vocab_size
+    if data_vocab > vocab:
+        raise ConfigError(
+            f"the data has token ids up to {data_vocab - 1} but the model's vocabulary is "
+            f"{vocab}; raise --vocab-size (or the --hf-config vocab_size) or check --data-dtype"
+        )
+    n_params = count_parameters(cfg)
+    if not uses_cuda(cfg):
+        _check_host_memory(cfg, world, n_params, vocab)
+    return n_params
+
+
+def _check_data(cfg: TrainConfig) -> tuple[int, int]:
+    """Token count and the largest token id + 1 (256 for text)."""
+    try:
+        tokens = data_mod.load_tokens(
+            cfg.data, data_dtype=cfg.data_dtype, vocab_size=vocab_size_of(cfg)
+        )
+        source = data_mod.describe_source(cfg.data)
+        data_mod.check_size(
+            len(tokens), seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction, source=source
+        )
+    except (data_mod.DataError, hf.HFError) as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"--data {cfg.data}: cannot read it ({e.strerror or e})") from None
+    if tokens.dtype.itemsize == 1:
+        return len(tokens), 256
+    top = 0
+    for i in range(0, len(tokens), 1 << 26):  # chunked: a .bin can be larger than memory
+        top = max(top, int(np.max(tokens[i : i + (1 << 26)])))
+    return len(tokens), top + 1
+
+
+def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) -> Checked:
+    """Everything that can be known before spawning; raises :class:`ConfigError`."""
+    if world_size < 1:
+        raise ConfigError(f"--nproc must be at least 1 (0 means automatic), got {world_size}")
+    _check_device(cfg, world_size)
+    _check_batch(cfg, world_size)
+    n_tokens, data_vocab = _check_data(cfg)
+    n_params = _check_model(cfg, world_size, data_vocab)
+    _check_run_dir(cfg, fresh_launch=fresh_launch)
+    return Checked(world_size=world_size, n_tokens=n_tokens, n_params=n_params)

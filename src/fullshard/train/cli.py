@@ -1,0 +1,209 @@
+"""``fullshard train``: parse and check everything, then launch ranks (or be one).
+
+Run by a person, it validates the config (see :mod:`fullshard.train.checks`), writes
+``RUN_DIR/config.toml`` and launches local ranks under torchrun's elastic agent. Run by
+torchrun (``TORCHELASTIC_RUN_ID`` or ``RANK`` + ``WORLD_SIZE`` in the environment, e.g.
+``torchrun --nnodes 2 ... -m fullshard.train.worker --preset small``), it is one of the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal
+
+from fullshard.train.config import (
+    ConfigError,
+    TrainConfig,
+    field_help,
+    field_types,
+    flag,
+    from_toml,
+    replace,
+    to_toml,
+)
+from fullshard.train.presets import PRESETS, get_preset
+
+__all__ = ["build_parser", "in_torchrun", "main", "parse_config"]
+
+_GROUPS = {
+    "preset": "run",
+    "vocab_size": "model",
+    "data": "data",
+    "lr": "optimizer",
+    "mixed_precision": "parallelism and memory",
+    "eval_every": "evaluation, checkpoints and output",
+}
+
+_METAVARS = {
+    "name": "NAME",
+    "run_dir": "DIR",
+    "data": "PATH",
+    "hf_config": "PATH_OR_JSON",
+    "hf_weights": "PATH",
+    "resume": "{auto,never,PATH}",
+    "sample_prompt": "TEXT",
+}
+
+_EPILOG = """\
+run directory: config.toml (the resolved config), metrics.jsonl (one JSON line per step and
+eval), loss.png, checkpoints/step_XXXXXXXX/. Rerunning the same command resumes.
+
+examples:
+  fullshard train                                  # small GPT on the stdlib source, 2 CPU ranks
+  fullshard train --preset tiny --nproc 4
+  fullshard train --hf-config '{"model_type": "llama", "hidden_size": 64, "intermediate_size":
+      128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "vocab_size": 256}' --max-steps 50
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+      --rdzv-id myrun -m fullshard.train.worker --preset gpt2-124m --run-dir /shared/runs/g
+"""
+
+
+def in_torchrun() -> bool:
+    """Whether this process is a rank that torchrun (or similar) started."""
+    env = os.environ
+    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every :class:`TrainConfig` field as a flag; defaults are those of the ``small`` preset."""
+    parser = argparse.ArgumentParser(
+        prog="fullshard train",
+        description="Train a model fully sharded (ZeRO-3) on local ranks, or as a torchrun rank.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # so we know which flags were given
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)"
+    )
+    helps, types, defaults = field_help(), field_types(), PRESETS["small"]()
+    group: Any = parser
+    for f in fields(TrainConfig):
+        if f.name in _GROUPS:
+            group = parser.add_argument_group(_GROUPS[f.name])
+        hint, default = types[f.name], getattr(defaults, f.name)
+        text = helps.get(f.name, "")
+        kwargs: dict[str, Any] = {"dest": f.name}
+        if f.name == "preset":
+            kwargs["choices"] = list(PRESETS)
+            kwargs["metavar"] = "{" + ",".join(PRESETS) + "}"
+        if f.name == "preset":
+            pass
+        elif hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is Literal:
+            kwargs["choices"] = list(typing.get_args(hint))
+        else:
+            kwargs["type"] = hint
+            kwargs["metavar"] = _METAVARS.get(f.name) or {int: "N", float: "X"}.get(hint, "STR")
+        if default != "" and f.name != "hf_config":
+            text += (
+                f" (default: {default!r})" if isinstance(default, str) else f" (default: {default})"
+            )
+        group.add_argument(flag(f.name), help=text.replace("%", "%%"), **kwargs)
+    return parser
+
+
+def _unknown_flags_error(parser: argparse.ArgumentParser, unknown: list[str]) -> ConfigError:
+    known = [s for a in parser._actions for s in a.option_strings]
+    parts = []
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1) if name.startswith("-") else []
+        parts.append(f"{arg!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return ConfigError(f"unrecognized argument(s): {', '.join(parts)}; see fullshard train --help")
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Defaults < preset < --config FILE.toml < flags. Raises ConfigError (argparse: SystemExit)."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise _unknown_flags_error(parser, unknown)
+    given = vars(ns)
+    from_file = from_toml(given.pop("config")) if "config" in given else {}
+    preset = given.get("preset", from_file.get("preset", "small"))
+    try:
+        cfg = get_preset(preset)
+        return replace(cfg, **(from_file | given))
+    except TypeError as e:  # a TOML value of the wrong type
+        raise ConfigError(f"--config: {e}") from None
+
+
+def _run_as_worker(cfg: TrainConfig) -> int:
+    from fullshard.train import checks
+    from fullshard.train.loop import init_distributed, train
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    fresh = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    try:
+        checks.validate(cfg, world_size=world, fresh_launch=fresh and rank == 0)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"fullshard train: error: {e}", file=sys.stderr)
+        return 2
+    env = init_distributed(cfg)
+    try:
+        return train(cfg, env)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fullshard train [flags]``: returns the exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_config(args)
+    except SystemExit as e:  # --help, or argparse's own usage errors (already printed)
+        return int(e.code or 0)
+    except ConfigError as e:
+        print(f"fullshard train: error: {e}", file=sys.stderr)
+        return 2
+    if in_torchrun():
+        return _run_as_worker(cfg)
+
+    from fullshard.train import checks
+    from fullshard.train.launch import launch
+
+    nproc = cfg.nproc or checks.default_nproc(cfg)
+    try:
+        if nproc < 1:
+            raise ConfigError("no GPU visible for --device cuda; use --device cpu")
+        checked = checks.validate(cfg, world_size=nproc)
+    except ConfigError as e:
+        print(f"fullshard train: error: {e}", file=sys.stderr)
+        return 2
+    cfg = replace(cfg, name=cfg.resolved_name(), run_dir=cfg.resolved_run_dir())
+    run_dir = Path(cfg.run_dir)
+    config_path = run_dir / "config.toml"
+    config_path.write_text(to_toml(cfg))
+    print(
+        f"fullshard train: launching {nproc} rank(s) "
+        f"({checked.n_params / 1e6:.2f}M parameters, {checked.n_tokens:,} tokens of data); "
+        f"config in {config_path}",
+        flush=True,
+    )
+    return launch(
+        config_path,
+        run_dir=run_dir,
+        nproc=nproc,
+        max_restarts=cfg.max_restarts,
+        stop_timeout=cfg.stop_timeout,
+        on_cuda=checks.uses_cuda(cfg),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The trainer's typed configuration: one kw-only dataclass, every field a CLI flag.
+
+Each field's docstring (the string literal under it) is its ``--help`` text, read from this
+file's source, so code and help cannot drift apart. Precedence, lowest first: the dataclass
+defaults, the preset (a plain function in :mod:`fullshard.train.presets`), ``--config
+FILE.toml``, then command-line flags. ``__post_init__`` checks what a config can check on its
+own and raises :class:`ConfigError` naming the flag and the fix; checks that need the world
+size or the filesystem live in :mod:`fullshard.train.checks`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import json
+import math
+import sys
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+__all__ = ["ConfigError", "TrainConfig", "field_help", "flag", "from_toml", "to_toml"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag and says how to fix it."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of config field ``name`` (``max_steps`` -> ``--max-steps``)."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything ``fullshard train`` needs to know; see ``fullshard train --help``."""
+
+    # ---- run
+    preset: str = "small"
+    """Preset to start from: tiny, small, gpt2-124m, llama-1b, llama-8b (flags override it)."""
+    name: str = ""
+    """Run name; the default run directory is runs/<name>. Empty: the preset's name."""
+    run_dir: str = ""
+    """Run directory (config.toml, metrics.jsonl, loss.png, checkpoints/). Default: runs/<name>."""
+    seed: int = 0
+    """Seed for initialisation, data order and sampling (the same seed gives the same run)."""
+    max_steps: int = 300
+    """Optimizer steps to train for (the learning-rate schedule ends here)."""
+    time_budget: float = 0.0
+    """Stop (saving a checkpoint) after this many seconds of training; 0 means no limit."""
+    nproc: int = 0
+    """Local ranks to launch: 0 means every GPU, or 2 CPU ranks without one."""
+    max_restarts: int = 1
+    """Times the elastic agent restarts the whole group after a rank fails (resuming)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on: auto picks cuda (NCCL) when available, else cpu (gloo)."""
+    stop_timeout: int = 300
+    """Seconds a rank gets to finish its step and save after Ctrl-C/SIGTERM before SIGKILL."""
+    collective_timeout: int = 600
+    """Seconds a collective waits for the other ranks before failing (a hung or stopped rank):
+    the job then fails, or the agent restarts it, instead of hanging."""
+
+    # ---- model
+    vocab_size: int = 256
+    """GPT vocabulary size (256 covers byte-level text; .bin data may need more)."""
+    seq_len: int = 128
+    """Tokens per training sequence (the model's context length)."""
+    n_layer: int = 4
+    """GPT transformer blocks (each one a fully_shard unit)."""
+    d_model: int = 256
+    """GPT hidden width."""
+    n_head: int = 4
+    """GPT attention heads (must divide --d-model)."""
+    mlp_ratio: float = 4.0
+    """GPT MLP hidden width as a multiple of --d-model."""
+    tie_embeddings: bool = True
+    """Share the GPT input embedding with the output head."""
+    hf_config: str = ""
+    """Train a Hugging Face causal LM instead of the GPT: a config.json path, a directory
+    holding one, or inline JSON with a model_type (e.g. '{"model_type": "llama", ...}')."""
+    hf_weights: str = ""
+    """Local pretrained weights for --hf-config: a .safetensors file or a directory of them."""
+    init: Literal["auto", "cpu", "meta"] = "auto"
+    """Where parameters are initialised: cpu (each rank builds the full model, then shards it:
+    identical at every world size), meta (shard first, initialise shards: for models too big
+    for one host), auto (meta above 1B parameters)."""
+
+    # ---- data
+    data: str = ""
+    """Training data: a text file, a folder of text files, or a pre-tokenized .bin of uint16/
+    uint32 tokens. Empty: the Python standard library's own source (no download)."""
+    data_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Token dtype of a .bin file; auto is uint16 when the vocabulary fits, else uint32."""
+    eval_fraction: float = 0.02
+    """Fraction of the data (its tail) held out for the eval loss."""
+    global_batch: int = 16
+    """Sequences per optimizer step over all ranks; fixed, so results do not depend on ranks."""
+    micro_batch: int = 4
+    """Sequences per rank per forward/backward; the remainder is gradient accumulation."""
+
+    # ---- optimizer
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of --lr."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to --lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to weight matrices only (not to biases or norm scales)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    max_skipped_steps: int = 10
+    """Consecutive steps with non-finite gradients to skip (no optimizer step on any rank,
+    counted in metrics.jsonl) before stopping with an error; 0 stops at the first one."""
+
+    # ---- parallelism and memory
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype of the gathered parameters; sharded master weights and gradient
+    reduction stay fp32 (fp16 adds dynamic loss scaling)."""
+    reshard_after_forward: Literal["auto", "true", "false"] = "auto"
+    """Free gathered parameters after each unit's forward (true: least memory), keep them for
+    backward (false: less traffic), or FSDP2's default (auto: all but the root)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in host memory."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+    compile: bool = False
+    """torch.compile each block (needs a working compiler toolchain)."""
+
+    # ---- eval, checkpoints, output
+    eval_every: int = 50
+    """Evaluate the held-out loss every this many steps (and at the end); 0 disables it."""
+    eval_batches: int = 4
+    """Global batches of held-out data per evaluation."""
+    ckpt_every: int = 100
+    """Save a checkpoint every this many steps (and always at the end or on Ctrl-C); 0: only those."""
+    keep_last: int = 3
+    """Checkpoints kept in run_dir/checkpoints (older ones are deleted); 0 keeps all."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint of this run (if any); never: start
+    fresh (refused when the run directory already has checkpoints); or a checkpoint PATH."""
+    log_every: int = 10
+    """Print a log line every this many steps when output is not a terminal."""
+    progress: Literal["auto", "bar", "plain"] = "auto"
+    """Rank 0 output: a live progress bar (bar), log lines (plain), or bar only on a terminal."""
+    sample_tokens: int = 300
+    """Bytes to generate from the trained model at the end; 0 skips the sample."""
+    sample_prompt: str = "def "
+    """Prompt for the final sample."""
+    temperature: float = 0.8
+    """Sampling temperature of the final sample."""
+
+    def __post_init__(self) -> None:
+        positive = "max_steps seq_len n_layer d_model n_head vocab_size global_batch"
+        positive += " micro_batch eval_batches stop_timeout collective_timeout"
+        for name in positive.split():
+            _require(self, name, getattr(self, name) >= 1, "a positive integer")
+        nonneg = "max_restarts nproc warmup_steps eval_every ckpt_every keep_last log_every"
+        nonneg += " sample_tokens max_skipped_steps"
+        for name in nonneg.split():
+            _require(self, name, getattr(self, name) >= 0, "zero or a positive integer")
+        for name in ("lr", "mlp_ratio", "temperature"):
+            value = getattr(self, name)
+            _require(self, name, math.isfinite(value) and value > 0, "a positive number")
+        for name in ("time_budget", "grad_clip", "weight_decay"):
+            value = getattr(self, name)
+            _require(self, name, math.isfinite(value) and value >= 0, "zero or a positive number")
+        for name in ("min_lr_ratio", "beta1", "beta2"):
+            _require(self, name, 0.0 <= getattr(self, name) <= 1.0, "between 0 and 1")
+        _require(self, "eval_fraction", 0.0 <= self.eval_fraction < 1.0, "in [0, 1)")
+        if self.hf_config == "" and self.d_model % self.n_head != 0:
+            raise ConfigError(
+                f"--d-model ({self.d_model}) must be divisible by --n-head ({self.n_head}); "
+                f"pick e.g. --n-head {math.gcd(self.d_model, self.n_head)}"
+            )
+        if self.hf_weights and not self.hf_config:
+            raise ConfigError("--hf-weights needs --hf-config (the model the weights belong to)")
+        if self.resume == "":
+            raise ConfigError("--resume must be auto, never or a checkpoint path, got ''")
+        for name, value in _choices_of_literals().items():
+            if getattr(self, name) not in value:
+                raise ConfigError(
+                    f"{flag(name)} must be one of {', '.join(value)}, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def uses_hf(self) -> bool:
+        """Whether the model is a Hugging Face causal LM (``--hf-config``)."""
+        return bool(self.hf_config)
+
+    def resolved_name(self) -> str:
+        """The run name: ``--name``, else the preset's."""
+        return self.name or self.preset
+
+    def resolved_run_dir(self) -> str:
+        """The run directory: ``--run-dir``, else ``runs/<name>``."""
+        return self.run_dir or f"runs/{self.resolved_name()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name -> value, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _require(cfg: TrainConfig, name: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag(name)} must be {what}, got {getattr(cfg, name)!r}")
+
+
+def _choices_of_literals() -> dict[str, tuple[str, ...]]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {
+        name: typing.get_args(hint)
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Literal
+    }
+
+
+def field_types() -> dict[str, Any]:
+    """Field name -> resolved annotation (``int``, ``Literal[...]``, ...)."""
+    return typing.get_type_hints(TrainConfig)
+
+
+def field_help() -> dict[str, str]:
+    """Field name -> its docstring (the string literal right under it in the class body)."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    cls = tree.body[0]
+    assert isinstance(cls, ast.ClassDef)
+    out: dict[str, str] = {}
+    body = cls.body
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            out[node.target.id] = " ".join(nxt.value.value.split())
+    return out
+
+
+def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    """``dataclasses.replace`` that names unknown keys as flags (re-validates the result)."""
+    names = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    return dataclasses.replace(cfg, **changes)
+
+
+# ---- TOML (read with tomllib; written by hand: a flat table of scalars is all we need)
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The config as a flat TOML table, one commented ``key = value`` per field."""
+    helps = field_help()
+    lines = ["# fullshard train: the resolved configuration of this run", ""]
+    for name, value in cfg.to_dict().items():
+        lines.append(f"# {helps.get(name, '')}")
+        lines.append(f"{name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def from_toml(path: str) -> dict[str, Any]:
+    """Read ``--config FILE.toml``: a flat table of config keys (dashes or underscores)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the same parser, from PyPI
+        import tomli as tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {path!r}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+    out: dict[str, Any] = {}
+    types = field_types()
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in types:
+            raise ConfigError(f"--config {path}: unknown key {key!r}; see fullshard train --help")
+        if isinstance(value, dict):
+            raise ConfigError(f"--config {path}: {key!r} must be a value, not a table")
+        if types[name] is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        out[name] = value
+    return out

@@ -1,0 +1,41 @@
+"""One rank of ``fullshard train``, the module torchrun runs.
+
+``fullshard train`` launches it locally; for several machines run it under torchrun yourself,
+e.g. on each of two nodes::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint node0:29500 --rdzv-id myrun \\
+        -m fullshard.train.worker --preset gpt2-124m --run-dir /shared/runs/gpt2
+
+It takes the same flags as ``fullshard train`` (``--nproc`` is ignored: torchrun decides).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fullshard.train.cli import main as cli_main
+
+__all__ = ["main"]
+
+
+@record  # the agent then reports this rank's traceback as the root cause of a failure
+def main(argv: list[str] | None = None) -> int:
+    """Run as one rank (the torchrun environment is required)."""
+    import os
+
+    args = sys.argv[1:] if argv is None else argv
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print(
+            "fullshard.train.worker is one rank of a torchrun job (RANK/WORLD_SIZE unset); "
+            "run `fullshard train` to launch local ranks, or start it with torchrun",
+            file=sys.stderr,
+        )
+        return 2
+    return cli_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

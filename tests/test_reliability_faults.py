@@ -1,0 +1,233 @@
+"""Faults injected into real ``fullshard train`` runs (2 gloo ranks under torchrun's agent).
+
+Each fault comes from the trainer's test hook ``FULLSHARD_FAULT`` (see
+``fullshard/train/guard.py``): a rank SIGKILLed mid-step or mid-save, a rank frozen with
+SIGSTOP, a NaN written into one rank's gradient shard. The oracle is an uninterrupted run with
+the same seed and steps: after recovery, every model and optimizer tensor is bit-identical.
+Engine-level faults (a stuck rank, a divergent code path) are in ``test_faults_engine.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from fullshard.train.metrics import read_metrics
+from test_reliability_common import (
+    checkpoint_tensors,
+    differing,
+    fullshard,
+    record,
+    tiny_args,
+    write_corpus,
+)
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run: 20 steps, a checkpoint every 5."""
+    root = tmp_path_factory.mktemp("ref")
+    proc, _ = fullshard(*tiny_args(corpus, root / "run", STEPS, "--ckpt-every", "5"), cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root / "run"
+
+
+def _faults(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "faults.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {
+        r["step"]: r["loss"]
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if r["kind"] == "train"
+    }
+
+
+def _final(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"step_{STEPS:08d}"
+
+
+def test_sigkill_mid_step_then_mid_save_restarts_bit_identical(
+    corpus: Path, reference: Path, tmp_path: Path
+) -> None:
+    """Attempt 0: rank 1 is SIGKILLed in step 13 (after backward, before the optimizer step).
+    The agent restarts the group, which resumes from step 10 (the newest checkpoint). Attempt 1:
+    rank 1 is SIGKILLed while writing the checkpoint of step 15; that save never completes, so
+    attempt 2 resumes from step 10 again and finishes. The result equals the reference."""
+    run_dir = tmp_path / "run"
+    fault = "kill@step=13,rank=1,attempt=0;kill_in_save@step=15,rank=1,attempt=1"
+    args = tiny_args(corpus, run_dir, STEPS, "--ckpt-every", "5", "--max-restarts", "2")
+    proc, seconds = fullshard(*args, cwd=tmp_path, FULLSHARD_FAULT=fault)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+
+    fired = [(f["kind"], f["step"], f["attempt"]) for f in _faults(run_dir)]
+    assert fired == [("kill", 13, 0), ("kill_in_save", 15, 1)], fired
+    starts = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "start"]
+    resumed = [Path(s["resumed_from"]).name if s["resumed_from"] else None for s in starts]
+    assert resumed == [None, "step_00000010", "step_00000010"], resumed
+    assert out.count(f"resumed from {run_dir / 'checkpoints' / 'step_00000010'}") == 2, out
+
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step_00000010", "step_00000015", "step_00000020"], ckpts  # no .partial
+    assert _losses(run_dir) == _losses(reference)  # every step, bit for bit
+    diff = differing(checkpoint_tensors(_final(run_dir)), checkpoint_tensors(_final(reference)))
+    assert diff == [], f"tensors differ from the uninterrupted run: {diff}"
+
+    record(
+        "faults",
+        "SIGKILL one rank mid-step",
+        "rank 1 of 2 killed in step 13 (after backward, before optimizer.step)",
+        "agent restarted the group; resumed from step 10; final weights and optimizer state "
+        "bit-identical to an uninterrupted run",
+        True,
+        seconds=round(seconds, 1),
+    )
+    record(
+        "faults",
+        "SIGKILL one rank during a checkpoint save",
+        "rank 1 of 2 killed after writing its shard of step 15, before the manifest",
+        "save of step 15 never published; restart resumed from step 10 (the previous "
+        "checkpoint); final state bit-identical",
+        True,
+        seconds=round(seconds, 1),
+    )
+
+
+def test_sigstop_rank_fails_the_group_within_the_timeout(corpus: Path, tmp_path: Path) -> None:
+    """A rank frozen with SIGSTOP never answers its collectives: the other rank fails after
+    --collective-timeout seconds with a CollectiveError naming the collective, the unit and the
+    rank, and the job exits non-zero (no restarts allowed here) instead of hanging."""
+    run_dir = tmp_path / "run"
+    timeout = 4
+    args = tiny_args(corpus, run_dir, STEPS, "--ckpt-every", "5", "--max-restarts", "0")
+    args += ["--collective-timeout", str(timeout), "--stop-timeout", "3"]
+    proc, seconds = fullshard(
+        *args, cwd=tmp_path, timeout=240, FULLSHARD_FAULT="stop@step=8,rank=1"
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert [(f["kind"], f["step"]) for f in _faults(run_dir)] == [("stop", 8)]
+    m = re.search(
+        r"CollectiveError: (rank \d+: (\w+) of unit '([^']+)'.*failed after ([\d.]+)s)", out
+    )
+    assert m, out
+    message, collective, unit, waited = m.group(1), m.group(2), m.group(3), float(m.group(4))
+    assert collective in ("all_gather", "reduce_scatter") and unit, message
+    assert timeout <= waited < timeout + 3, f"failed after {waited}s with a {timeout}s timeout"
+    assert "--collective-timeout" in out  # the message says which knob sets the timeout
+    record(
+        "faults",
+        "Hung rank (SIGSTOP)",
+        f"rank 1 of 2 stopped at step 8; --collective-timeout {timeout}",
+        f"rank 0 raised CollectiveError after {waited:.1f}s: {message.split(' (group')[0]}; "
+        "job exited 1 (with --max-restarts > 0 the agent restarts it after the agent's 30 s "
+        "SIGTERM grace)",
+        True,
+        seconds=round(seconds, 1),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("FULLSHARD_RUN_SLOW") != "1", reason="slow (~1 min): set FULLSHARD_RUN_SLOW=1"
+)
+def test_sigstop_rank_then_elastic_restart_bit_identical(
+    corpus: Path, reference: Path, tmp_path: Path
+) -> None:
+    """The same hang with a restart allowed: the group fails after the timeout, the agent kills
+    the stopped rank (after its 30 s grace), restarts, and the run resumes from step 5 and
+    finishes bit-identical to the uninterrupted one."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(corpus, run_dir, STEPS, "--ckpt-every", "5", "--max-restarts", "1")
+    args += ["--collective-timeout", "4"]
+    proc, seconds = fullshard(
+        *args, cwd=tmp_path, timeout=300, FULLSHARD_FAULT="stop@step=8,rank=1"
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    stopped_at = float(_faults(run_dir)[0]["time"])  # type: ignore[arg-type]
+    starts = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "start"]
+    assert [s["step"] for s in starts] == [0, 5], starts
+    restart_after = starts[1]["time"] - stopped_at
+    assert _losses(run_dir) == _losses(reference)
+    diff = differing(checkpoint_tensors(_final(run_dir)), checkpoint_tensors(_final(reference)))
+    assert diff == [], diff
+    record(
+        "faults",
+        "Hung rank (SIGSTOP), restart allowed",
+        "rank 1 of 2 stopped at step 8; --collective-timeout 4, --max-restarts 1",
+        f"group failed after the timeout; restarted {restart_after:.0f} s after the stop "
+        "(timeout + the agent's 30 s grace + start-up); resumed from step 5; final state "
+        "bit-identical",
+        True,
+        seconds=round(seconds, 1),
+    )
+
+
+def test_nonfinite_gradients_are_skipped_on_every_rank_then_stop(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """NaN written into rank 1's gradient shard (after the reduce-scatter) at step 3, then at
+    steps 6, 7, 8. The global grad norm is NaN on every rank, so every rank skips the same
+    optimizer steps: the checkpoint of step 3 equals that of step 2 bit for bit (had one rank
+    stepped, its shards would differ). With --max-skipped-steps 2 the third consecutive skip
+    stops the run with exit 1 and a message naming the steps, without an elastic restart."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(corpus, run_dir, STEPS, "--ckpt-every", "1", "--keep-last", "0")
+    args += ["--max-skipped-steps", "2"]
+    proc, seconds = fullshard(*args, cwd=tmp_path, FULLSHARD_FAULT="nan_grad@steps=3|6|7|8,rank=1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "stopped after step 8: 3 consecutive steps had non-finite gradients (steps 6-8)" in out
+    assert "--max-skipped-steps 2" in out and "Lower --lr" in out
+    assert "restart" not in out.lower() or "resumed from" not in out  # no elastic restart
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["kind"] for r in records].count("start") == 1
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    assert [s for s, r in train.items() if r["skipped"]] == [3, 6, 7, 8]
+    assert train[8]["skipped_steps"] == 4 and train[2]["grad_norm"] is not None
+    stop = records[-1]
+    assert (stop["kind"], stop["reason"], stop["skipped_steps"]) == ("stop", "nonfinite", 4)
+
+    ckpt = run_dir / "checkpoints"
+    step = {i: checkpoint_tensors(ckpt / f"step_{i:08d}") for i in (2, 3, 4)}
+    assert differing(step[2], step[3]) == [], "a rank stepped its optimizer on a NaN step"
+    assert len(differing(step[3], step[4])) == len(step[3]), "step 4 should update everything"
+    assert not (ckpt / "step_00000008").exists()  # nothing saved from the failing steps
+    record(
+        "faults",
+        "Non-finite gradients",
+        "NaN in one element of rank 1's gradient shard at steps 3, 6, 7, 8; --max-skipped-steps 2",
+        "step 3 skipped on both ranks (state bit-identical to step 2); steps 6-8 skipped, then "
+        "a clear stop (exit 1, no restart); metrics.jsonl counts 4 skips",
+        True,
+        seconds=round(seconds, 1),
+    )
+
+
+def test_fault_spec_parsing() -> None:
+    """The test hook's grammar (a typo must fail loudly, not inject nothing)."""
+    from fullshard.train.guard import Fault, parse_faults
+
+    assert parse_faults("") == []
+    assert parse_faults("kill@step=13,rank=1;nan_grad@steps=3|6,attempt=*") == [
+        Fault("kill", frozenset({13}), rank=1, attempt=0),
+        Fault("nan_grad", frozenset({3, 6}), rank=0, attempt=None),
+    ]
+    for bad in ("explode@step=1", "kill@rank=1", "kill@step=1,when=now"):
+        with pytest.raises(ValueError, match="FULLSHARD_FAULT"):
+            parse_faults(bad)
