@@ -74,16 +74,16 @@ class EngineModel:
 
 
 ENGINES: dict[str, EngineModel] = {
-    # fullshard's engine (see fullshard.group): rank-major packed all-gather output copied out
-    # into the unit's buffer, a packed send copy per gather, one unit prefetched each way, and
-    # each reduce-scatter finished when the next one is issued.
+    # fullshard's engine (see fullshard.group): gathers in place into a rank-major packed
+    # buffer, copies each parameter out into the unit's buffer, prefetches one unit each way,
+    # and finishes the previous reduce-scatter before packing the next.
     "fullshard": EngineModel(
         name="fullshard",
         copy_out=True,
         forward_prefetch=1,
         backward_prefetch=1,
-        gather_input_copy=True,
-        reduce_pending=True,
+        gather_input_copy=False,
+        reduce_pending=False,
     ),
     # torch FSDP2 on CPU: per-parameter copy-out, no forward prefetch (no streams), backward
     # prefetch of one unit.
