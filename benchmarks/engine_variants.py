@@ -8,7 +8,8 @@ Variants (each patches the engine inside the rank processes only):
 - ``fullshard``: as shipped; ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``);
 - ``fs-sync``: every fullshard collective synchronous (no prefetch/overlap gains);
 - ``fs-rs-as-allreduce``: fullshard's reduce-scatter issued as a gloo all-reduce of the packed
-  buffer, this rank's row copied out on wait (same numbers; gloo's reduce-scatter is slower);
+  buffer, this rank's row copied out on wait (gloo's reduce-scatter is slower). Main's engine
+  now does this itself on gloo, so there the variant changes nothing;
 - ``fsdp2-nometer``: FSDP2 without the bench's collective wrappers (checks their overhead).
 
 Prints each variant's median step time (slower rank) and its ratio to FSDP2, plus the largest
