@@ -140,6 +140,11 @@ def _knobs() -> dict:
     with pytest.raises(TypeError, match="mp_policy") as e:
         fully_shard(_TwoLinear(), mp_policy=torch.bfloat16)  # type: ignore[arg-type]
     errors["mp"] = str(e.value)
+    half = _TwoLinear()
+    half.b.to_empty(device="meta")  # one part materialised, the other not: two devices
+    with pytest.raises(ValueError, match="different devices") as e:
+        fully_shard(half)
+    errors["devices"] = str(e.value)
     # a unit whose dtypes differ is fine once a param_dtype unifies the gathered buffer
     ok = _TwoLinear()
     ok.b.to(torch.float64)
@@ -180,6 +185,7 @@ def test_knobs_and_bad_input() -> None:
     assert "b.weight: torch.float64" in e["dtypes"] and "param_dtype" in e["dtypes"]
     assert "reshard_after_forward" in e["raf"]
     assert "MixedPrecisionPolicy" in e["mp"]
+    assert "a.weight: cpu" in e["devices"] and "b.weight: meta" in e["devices"]
 
 
 def test_batch_helper_is_deterministic() -> None:

@@ -280,19 +280,20 @@ def fully_shard(
     shard_device = (
         torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else compute_device
     )
+    ignored = {id(p) for p in (ignored_params or ())}
     devices = {
         (fqn, p.device)
         for m in modules
         for fqn, p in m.named_parameters()
-        if p.device.type != "meta" and not isinstance(p, DTensor)
+        if not isinstance(p, DTensor) and id(p) not in ignored
     }
-    if len({d for _, d in devices}) > 1:
+    if len({d for _, d in devices}) > 1:  # meta next to real counts: half-materialised
         listing = sorted(f"{fqn}: {d}" for fqn, d in devices)
         raise ValueError(
             f"parameters of one fully_shard unit are on different devices ({listing}); move "
-            f"the module to one device (module.to(...)) before fully_shard"
+            f"the module to one device (module.to(...)) — or build all of it on meta — "
+            f"before fully_shard"
         )
-    ignored = {id(p) for p in (ignored_params or ())}
     pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
     params = _claim_params(modules, info, shard_device, ignored, pin)
     name = type(modules[0]).__name__
