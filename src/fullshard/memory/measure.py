@@ -25,12 +25,9 @@ __all__ = ["measure_rank"]
 
 
 def _shard(model: GPT, engine: str, reshard_after_forward: bool) -> None:
-    if engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    elif engine == "fullshard":
-        from fullshard import fully_shard  # type: ignore[attr-defined,no-redef]
-    else:
-        raise ValueError(f"engine {engine!r}: choose 'fullshard' or 'fsdp2'")
+    from fullshard.bench.peers import load_peer_fully_shard
+
+    fully_shard = load_peer_fully_shard(engine)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
