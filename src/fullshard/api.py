@@ -15,7 +15,7 @@ parameter becomes a ``DTensor`` registered on its modules, so ``model.parameters
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -24,18 +24,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .group import ParamGroup
-from .hooks import FSDPState
+from .hooks import STATE_ATTR, FSDPState, states_under
 from .mesh import default_mesh, mesh_info
 from .param import ShardedParam
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
-_STATE_ATTR = "_fullshard_state"
-
 
 def _state(module: nn.Module) -> FSDPState:
-    st = module.__dict__.get(_STATE_ATTR)
+    st = module.__dict__.get(STATE_ATTR)
     if st is None:
         raise ValueError(f"{type(module).__name__} is not an FSDPModule: call fully_shard on it")
     return cast(FSDPState, st)
@@ -164,7 +162,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 def _install_hooks(module: nn.Module, state: FSDPState) -> None:
-    module.__dict__[_STATE_ATTR] = state
+    module.__dict__[STATE_ATTR] = state
     module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True)
@@ -184,12 +182,7 @@ def _claim_params(
     pin_memory: bool,
 ) -> list[ShardedParam]:
     """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones."""
-    below: list[ShardedParam] = []
-    for m in modules:
-        for sub in m.modules():
-            st = sub.__dict__.get(_STATE_ATTR)
-            if st is not None:
-                below.extend(st.group.params)
+    below = [sp for st in states_under(modules) for sp in st.group.params]
     by_sharded = {id(sp.sharded_param): sp for sp in below}
     claimed: dict[int, ShardedParam] = {}
     new: list[ShardedParam] = []
@@ -323,11 +316,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped)
 
 
-def _all_states(module: nn.Module) -> Iterable[FSDPState]:
+def _all_states(module: nn.Module) -> list[FSDPState]:
     """Every unit state under ``module`` (used by tests and tools)."""
-    seen: list[FSDPState] = []
-    for sub in module.modules():
-        st = sub.__dict__.get(_STATE_ATTR)
-        if st is not None and st not in seen:
-            seen.append(st)
-    return seen
+    return states_under([module])

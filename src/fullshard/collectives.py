@@ -266,29 +266,21 @@ def reduce_scatter(
     if algorithm == "auto":
         algorithm = _reduce_scatter_algorithm(group)
     _record("reduce_scatter", input, size, algorithm)
-    if algorithm == "all_reduce":
+    tensors: tuple[torch.Tensor, ...] = (output, input)
+    then = None
+    if algorithm == "all_reduce":  # reduce the whole buffer in place, keep this rank's row
         chunk = input.view(size, -1)[dist.get_rank(group)]
-        return _start(
-            "reduce_scatter",
-            "all_reduce",
-            what,
-            size,
-            input,
-            op=dist.ReduceOp.SUM,
-            group=group,
-            async_op=async_op,
-            then=lambda: output.copy_(chunk),
-        )
+        tensors, then = (input,), lambda: output.copy_(chunk)
     return _start(
         "reduce_scatter",
-        "reduce_scatter",
+        algorithm,
         what,
         size,
-        output,
-        input,
+        *tensors,
         op=dist.ReduceOp.SUM,
         group=group,
         async_op=async_op,
+        then=then,
     )
 
 

@@ -19,6 +19,7 @@ One training step as the hooks see it (see ../shared/DESIGN.md):
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from .group import ParamGroup, ShardedState, _PendingReduce
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
 
-__all__ = ["FSDPState", "TrainingState"]
+__all__ = ["STATE_ATTR", "FSDPState", "TrainingState", "states_under"]
 
 
 class TrainingState(enum.Enum):
@@ -52,6 +53,20 @@ def _cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
     return tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree
     )
+
+
+STATE_ATTR = "_fullshard_state"  # where a unit module keeps its FSDPState (in __dict__)
+
+
+def states_under(modules: Iterable[nn.Module]) -> list[FSDPState]:
+    """Every unit state in the subtrees of ``modules``, once each, in module order."""
+    out: list[FSDPState] = []
+    for m in modules:
+        for sub in m.modules():
+            st = sub.__dict__.get(STATE_ATTR)
+            if st is not None and st not in out:
+                out.append(st)
+    return out
 
 
 class FSDPState:
@@ -90,13 +105,7 @@ class FSDPState:
 
     def subtree_states(self) -> list[FSDPState]:
         """States of every FSDP unit in this unit's module subtree (this one first)."""
-        out: list[FSDPState] = []
-        for m in self.modules:
-            for sub in m.modules():
-                st = sub.__dict__.get("_fullshard_state")
-                if st is not None and st not in out:
-                    out.append(st)
-        return out
+        return states_under(self.modules)
 
     # ------------------------------------------------------------------------- lazy init
     def lazy_init(self) -> None:
