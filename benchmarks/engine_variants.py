@@ -1,19 +1,21 @@
 """A/B the fullshard engine against variants of itself and torch FSDP2, alternating in one run.
 
     python benchmarks/engine_variants.py --config comm --steps 12 --repeats 2 \
-        fullshard fs-sync fs-rs-as-allreduce fsdp2 fsdp2-nometer
+        fullshard fs-sync fs-collectives fs-rs-allreduce fsdp2 fsdp2-nometer
 
 Variants (each patches the engine inside the rank processes only):
 
 - ``fullshard``: as shipped; ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``);
 - ``fs-sync``: every fullshard collective synchronous (no prefetch/overlap gains);
-- ``fs-rs-as-allreduce``: fullshard's reduce-scatter issued as a gloo all-reduce of the packed
-  buffer, this rank's row copied out on wait (gloo's reduce-scatter is slower). Main's engine
-  now does this itself on gloo, so there the variant changes nothing;
+- ``fs-collectives``: gloo's own all-gather, and the reduce-scatter as a gloo all-reduce of the
+  packed buffer (the engine before the p2p exchanges, see [Note: p2p on gloo]);
+- ``fs-rs-allreduce``: p2p all-gather, reduce-scatter as a gloo all-reduce;
+- ``fs-rs-native``: p2p all-gather, gloo's own reduce-scatter;
 - ``fsdp2-nometer``: FSDP2 without the bench's collective wrappers (checks their overhead).
 
-Prints each variant's median step time (slower rank) and its ratio to FSDP2, plus the largest
-relative loss difference against the first variant (expect 0: same math).
+Prints each variant's median step time (slower rank), its ratio to FSDP2 and its peak RSS per
+rank (max over ranks and repeats), plus the largest relative loss difference against the first
+variant (expect ~0: same math, summed in another order at most).
 """
 
 from __future__ import annotations
@@ -32,50 +34,32 @@ from fullshard.bench.configs import get_config
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.testing import run_distributed
 
-
-class _AllReduceAsReduceScatter:
-    """A Work-like handle: wait for the all-reduce, then copy this rank's row to the output."""
-
-    def __init__(self, work: Any, out: Any, inp: Any, group: Any) -> None:
-        import torch.distributed as dist
-
-        self.work, self.out, self.inp = work, out, inp
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            self.out.copy_(self.inp.view(self.world, -1)[self.rank])
-        return True
+# variant -> the algorithm forced per kind (see fullshard.collectives._algorithm)
+_ALGORITHMS = {
+    "fs-collectives": {"all_gather": "all_gather", "reduce_scatter": "all_reduce"},
+    "fs-rs-allreduce": {"all_gather": "p2p", "reduce_scatter": "all_reduce"},
+    "fs-rs-native": {"all_gather": "p2p", "reduce_scatter": "reduce_scatter"},
+}
 
 
 def variant_rank(cfg_dict: dict[str, Any], variant: str) -> dict[str, Any]:
-    import torch.distributed as dist
 
     import fullshard.bench.worker as worker
     import fullshard.collectives as collectives
 
     orig = collectives._issue
+    orig_algorithm = collectives._algorithm
 
-    def rs_as_allreduce(kind: str, *args: Any, **kw: Any) -> Any:
-        if kind != "reduce_scatter":
-            return orig(kind, *args, **kw)
-        out, inp = args
-        work = dist.all_reduce(inp, op=kw["op"], group=kw.get("group"), async_op=True)
-        handle = _AllReduceAsReduceScatter(work, out, inp, kw.get("group"))
-        if not kw.get("async_op", False):
-            handle.wait()
-            return None
-        return handle
+    def forced(kind: str, requested: str, group: Any, tensor: Any) -> str:
+        return _ALGORITHMS[variant].get(kind) or orig_algorithm(kind, requested, group, tensor)
 
     def synchronous(kind: str, *args: Any, **kw: Any) -> Any:
         kw["async_op"] = False
         orig(kind, *args, **kw)
         return None
 
-    if variant == "fs-rs-as-allreduce":
-        collectives._issue = rs_as_allreduce
+    if variant in _ALGORITHMS:
+        collectives._algorithm = forced  # type: ignore[assignment]
     elif variant == "fs-sync":
         collectives._issue = synchronous
     elif variant == "fsdp2-nometer":
@@ -91,14 +75,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2)
     args = ap.parse_args()
     cfg = get_config(args.config).replace(steps=args.steps, warmup=args.warmup)
     os.environ.update(MALLOC_ENV)
     times: dict[str, list[float]] = {v: [] for v in args.variants}
+    rss: dict[str, int] = dict.fromkeys(args.variants, 0)
     losses: dict[str, list[float]] = {}
     for r in range(args.repeats):
         for v in args.variants if r % 2 == 0 else args.variants[::-1]:
-            ranks = run_distributed(variant_rank, 2, asdict(cfg), v, timeout=1800)
+            ranks = run_distributed(variant_rank, args.nproc, asdict(cfg), v, timeout=1800)
+            rss[v] = max([rss[v]] + [rk["peak_rss_bytes"] for rk in ranks])
             n = len(ranks[0]["step_s"])
             times[v] += [max(rk["step_s"][i] for rk in ranks) for i in range(n)]
             losses[v] = [
@@ -111,7 +98,11 @@ def main() -> int:
         m = statistics.median(times[v])
         err = max(abs(a - b) / abs(b) for a, b in zip(losses[v], losses[first]))
         ratio = f"{m / base:.2f}x fsdp2" if base else ""
-        print(f"{v:<20} {m:.3f} s/step  {ratio}  max rel loss diff vs {first}: {err:.1e}")
+        peak = rss[v] / 2**20
+        print(
+            f"{v:<20} {m:.3f} s/step  {ratio}  peak RSS {peak:.0f} MiB  "
+            f"max rel loss diff vs {first}: {err:.1e}"
+        )
     return 0
 
 

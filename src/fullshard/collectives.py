@@ -11,10 +11,13 @@ gloo's all-gather and reduce-scatter are slow on CPU: on 2 ranks over loopback, 
 5.6 ms to all-gather and 14 ms to reduce-scatter (8.7 ms as an all-reduce), while sending each
 peer its chunk with ``isend``/``irecv`` takes 3.5 ms (all-gather) and 4.1 ms (reduce-scatter,
 including the local sum); on 4 ranks 5.9 vs 11.3 ms and 8.7 vs 21.5 ms
-(``python benchmarks/collectives.py``). The exchange moves exactly the ZeRO bytes, (N - 1) / N
-of the buffer per rank, and needs no scratch beyond the received chunks. Each algorithm has its
-own message tag; like any collective it relies on every rank issuing its collectives of one
-kind in the same order.
+(``python benchmarks/collectives.py --nproc 2`` / ``--nproc 4``). The exchange moves exactly the
+ZeRO bytes, (N - 1) / N of the buffer per rank. The all-gather receives straight into the
+output; the reduce-scatter must hold all N - 1 received chunks before summing, which is free on
+2 ranks (the one chunk lands in the output) but costs N - 2 chunks of scratch on more, so there
+it stays an in-place all-reduce (see :func:`_algorithm`). Each kind has its own message tag;
+like any collective, it relies on every rank issuing its collectives of one kind in the same
+order.
 
 Byte accounting ("bytes on the wire" as the ZeRO papers count them): an all-gather counts its
 full output, a reduce-scatter its full input, an all-reduce its tensor. With this convention
@@ -218,19 +221,31 @@ def _exchange(
 
 # Message tags of the p2p exchanges, one per kind (see [Note: p2p on gloo]).
 _P2P_TAGS = {"all_gather": 0x6667, "reduce_scatter": 0x6672}
-# Up to this many ranks a gloo exchange is N - 1 sends and receives per rank; measured on 2 and
-# 4 ranks. Past it, gloo's own collectives (ring algorithms) are used.
+# Up to this many ranks a gloo all-gather is N - 1 sends and receives per rank; measured on 2
+# and 4 ranks. Past it, gloo's own all-gather (a ring) is used.
 _P2P_MAX_RANKS = 8
 
 
 def _algorithm(kind: str, requested: str, group: ProcessGroup, tensor: torch.Tensor) -> str:
-    """The call that implements ``kind``: ``requested`` unless it is ``"auto"``."""
+    """The call that implements ``kind``: ``requested`` unless it is ``"auto"``.
+
+    ``"auto"`` on gloo (CPU tensors): the all-gather is a p2p exchange up to
+    ``_P2P_MAX_RANKS`` ranks; the reduce-scatter is a p2p exchange on 2 ranks, where the one
+    received chunk lands in the output and needs no scratch, and an in-place all-reduce on
+    more (a p2p reduce-scatter holds N - 2 received chunks in scratch at once: +24 MiB per rank
+    on ``fullshard bench --config memory --nproc 4``, which would put the peak above FSDP2's).
+    Other backends use their own collective.
+    """
     if requested not in ("auto", kind, "p2p", "all_reduce"):
         raise ValueError(f"{kind}: unknown algorithm {requested!r}")
     if requested != "auto":
         return requested
-    gloo = "gloo" in str(dist.get_backend(group)) and tensor.device.type == "cpu"
-    return "p2p" if gloo and dist.get_world_size(group) <= _P2P_MAX_RANKS else kind
+    if "gloo" not in str(dist.get_backend(group)) or tensor.device.type != "cpu":
+        return kind
+    size = dist.get_world_size(group)
+    if kind == "reduce_scatter":
+        return "p2p" if size == 2 else "all_reduce"
+    return "p2p" if size <= _P2P_MAX_RANKS else kind
 
 
 def _start(
@@ -289,8 +304,7 @@ def all_gather(
     """Gather every rank's ``input`` (1-D, equal sizes) into ``output`` (rank-major).
 
     ``algorithm``: ``"all_gather"`` (the backend's collective), ``"p2p"`` (every rank sends its
-    ``input`` to each peer; see [Note: p2p on gloo]) or ``"auto"`` (p2p on gloo up to
-    ``_P2P_MAX_RANKS`` ranks, else the collective).
+    ``input`` to each peer; see [Note: p2p on gloo]) or ``"auto"`` (see :func:`_algorithm`).
     """
     size = _local_or_size("all_gather", output, input, group, output_is_full=True)
     if size == 1:
@@ -328,7 +342,7 @@ def reduce_scatter(
     ``algorithm``: ``"reduce_scatter"``, ``"all_reduce"`` (reduce the whole buffer in place,
     then copy this rank's chunk; ``input`` is overwritten), ``"p2p"`` (send each peer its
     chunk, receive theirs of ours and sum them here; see [Note: p2p on gloo]) or ``"auto"``
-    (p2p on gloo up to ``_P2P_MAX_RANKS`` ranks, else the collective). Either way the record's
+    (see :func:`_algorithm`). Either way the record's
     kind is ``reduce_scatter`` and its bytes the ZeRO payload (the input buffer);
     ``CollectiveRecord.algorithm`` names the call used. ``input`` must stay untouched until
     the handle is waited on.
