@@ -1,0 +1,129 @@
+"""Every all-gather / reduce-scatter algorithm gives the collective's exact answer.
+
+One 4-rank spawn checks each algorithm (the backend's collective, the reduce-scatter as an
+all-reduce, and the point-to-point exchange of [Note: p2p on gloo]) on the world group and on
+2-rank subgroups (whose group ranks differ from global ranks), several exchanges in flight at
+once and waited out of order, a bf16 buffer, and which algorithm ``"auto"`` picks on gloo.
+Values are small integers, so every summation order gives the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import collectives as C
+from fullshard.testing import run_distributed
+
+N = 1000  # elements per rank's chunk
+
+
+def _chunk(global_rank: int, tag: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What ``global_rank`` contributes: distinct small integers per rank and per call."""
+    return (torch.arange(N) % 7 + 10 * global_rank + 100 * tag).to(dtype)
+
+
+def _full(global_rank: int, size: int, tag: int) -> torch.Tensor:
+    """A reduce-scatter input: ``size`` rows, row ``r`` scaled by ``r + 1``."""
+    return torch.cat([_chunk(global_rank, tag) * (r + 1) for r in range(size)])
+
+
+def _check_group(group: dist.ProcessGroup, members: list[int], tag: int) -> list[str]:
+    me, size = dist.get_rank(), len(members)
+    gr = dist.get_rank(group)
+    done = []
+    for algo in ("all_gather", "p2p", "auto"):
+        for in_place in (True, False):
+            out = torch.full((size * N,), -1.0)
+            inp = out.view(size, N)[gr] if in_place else torch.empty(N)
+            inp.copy_(_chunk(me, tag))
+            C.all_gather(out, inp, group, algorithm=algo).wait()
+            want = torch.cat([_chunk(g, tag) for g in members])
+            assert torch.equal(out, want), (algo, in_place, members)
+            done.append(f"ag:{algo}:{size}")
+    for algo in ("reduce_scatter", "all_reduce", "p2p", "auto"):
+        inp, out = _full(me, size, tag), torch.full((N,), -1.0)
+        C.reduce_scatter(out, inp, group, algorithm=algo).wait()
+        want = sum(_chunk(g, tag) for g in members) * (gr + 1)
+        assert torch.equal(out, want), (algo, members)
+        done.append(f"rs:{algo}:{size}")
+    return done
+
+
+def _concurrent(group: dist.ProcessGroup, members: list[int]) -> None:
+    """Three gathers and two reductions in flight together, waited in reverse order."""
+    me, size, gr = dist.get_rank(), len(members), dist.get_rank(group)
+    gathers, reduces = [], []
+    for tag in range(3):
+        out = torch.empty(size * N)
+        inp = out.view(size, N)[gr]
+        inp.copy_(_chunk(me, tag))
+        gathers.append((C.all_gather(out, inp, group, algorithm="p2p"), out, tag))
+        if tag < 2:
+            rs_out = torch.empty(N)
+            h = C.reduce_scatter(rs_out, _full(me, size, tag), group, algorithm="p2p")
+            reduces.append((h, rs_out, tag))
+    for h, _, _ in reversed(gathers + reduces):
+        h.wait()
+    for _, out, tag in gathers:
+        assert torch.equal(out, torch.cat([_chunk(g, tag) for g in members]))
+    for _, out, tag in reduces:
+        assert torch.equal(out, sum(_chunk(g, tag) for g in members) * (gr + 1))
+
+
+def _rank_main() -> dict[str, object]:
+    me = dist.get_rank()
+    world = dist.group.WORLD
+    assert world is not None
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    pair, members = (evens, [0, 2]) if me % 2 == 0 else (odds, [1, 3])
+    done = _check_group(world, [0, 1, 2, 3], tag=1) + _check_group(pair, members, tag=2)
+    _concurrent(world, [0, 1, 2, 3])
+    _concurrent(pair, members)
+    # bf16 through the exchange (values stay exact in bf16)
+    out = torch.empty(4 * N, dtype=torch.bfloat16)
+    C.all_gather(out, _chunk(me, 0, torch.bfloat16), world, algorithm="p2p").wait()
+    assert torch.equal(out, torch.cat([_chunk(g, 0, torch.bfloat16) for g in range(4)]))
+    # what "auto" picks on gloo, as recorded
+    with C.count_collectives() as stats:
+        for group, size in ((world, 4), (pair, 2)):
+            C.all_gather(torch.empty(size * N), torch.zeros(N), group).wait()
+            C.reduce_scatter(torch.empty(N), torch.zeros(size * N), group).wait()
+    picked = [(r.kind, r.group_size, r.algorithm) for r in stats.records]
+    bad = "no error"
+    try:
+        C.all_gather(torch.empty(4 * N), torch.zeros(N), world, algorithm="ring")
+    except ValueError as e:
+        bad = str(e)
+    return {"done": done, "picked": picked, "bad": bad}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, object]]:
+    return run_distributed(_rank_main, 4, timeout=240)
+
+
+def test_every_algorithm_matches_the_collective(results: list[dict[str, object]]) -> None:
+    done = results[0]["done"]
+    assert isinstance(done, list)
+    for kind, algos in (
+        ("ag", ("all_gather", "p2p", "auto")),
+        ("rs", ("reduce_scatter", "all_reduce", "p2p", "auto")),
+    ):
+        for algo in algos:
+            for size in (4, 2):
+                assert f"{kind}:{algo}:{size}" in done
+
+
+def test_auto_picks_p2p_where_it_is_faster_and_free(results: list[dict[str, object]]) -> None:
+    assert results[0]["picked"] == [
+        ("all_gather", 4, "p2p"),
+        ("reduce_scatter", 4, "all_reduce"),  # p2p would need 2 chunks of scratch
+        ("all_gather", 2, "p2p"),
+        ("reduce_scatter", 2, "p2p"),
+    ]
+
+
+def test_unknown_algorithm_is_named(results: list[dict[str, object]]) -> None:
+    assert "'ring'" in str(results[0]["bad"])
