@@ -50,8 +50,8 @@ def variant_rank(cfg_dict: dict[str, Any], variant: str) -> dict[str, Any]:
     orig = collectives._issue
     orig_algorithm = collectives._algorithm
 
-    def forced(kind: str, requested: str, group: Any, tensor: Any) -> str:
-        return _ALGORITHMS[variant].get(kind) or orig_algorithm(kind, requested, group, tensor)
+    def forced(kind: str, requested: str, group: Any, device: Any) -> str:
+        return _ALGORITHMS[variant].get(kind) or orig_algorithm(kind, requested, group, device)
 
     def synchronous(kind: str, *args: Any, **kw: Any) -> Any:
         kw["async_op"] = False

@@ -167,10 +167,14 @@ class Handle:
         return self._work is None
 
 
-def _record(kind: str, tensor: torch.Tensor, group_size: int, algorithm: str = "") -> None:
+def _record(
+    kind: str, tensor: torch.Tensor, group_size: int, algorithm: str = "", nbytes: int = -1
+) -> None:
+    """Report one collective; its bytes are ``tensor``'s unless ``nbytes`` says otherwise."""
     if not _active:
         return
-    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < 0:
+        nbytes = tensor.numel() * tensor.element_size()
     rec = CollectiveRecord(kind, nbytes, tensor.dtype, group_size, algorithm or kind)
     for stats in _active:
         stats.records.append(rec)
@@ -179,8 +183,8 @@ def _record(kind: str, tensor: torch.Tensor, group_size: int, algorithm: str = "
 def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
     """The one place that calls ``torch.distributed``; returns its Work (or None if sync).
 
-    ``"p2p"`` takes ``(sends, recvs)``: per group rank, the tensor to send it and the tensor to
-    receive from it (``None`` for this rank); it returns the list of their Works.
+    ``"p2p"`` takes ``(sends, recvs)``: per group rank, the tensors to send it and the tensors
+    to receive from it (see :func:`_exchange`); it returns the list of their Works.
     """
     if kind == "p2p":
         return _exchange(*args, **kwargs)
@@ -196,26 +200,27 @@ def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
 
 
 def _exchange(
-    sends: list[torch.Tensor | None],
-    recvs: list[torch.Tensor | None],
+    sends: list[list[torch.Tensor]],
+    recvs: list[list[torch.Tensor]],
     *,
     group: ProcessGroup,
     tag: int,
     async_op: bool = True,
 ) -> list[Any]:
-    """Send ``sends[r]`` to and receive ``recvs[r]`` from every other group rank ``r``.
+    """Send the tensors ``sends[r]`` to, and receive ``recvs[r]`` from, every other group rank.
 
-    Peers are visited in a rotation (send to ``me + i``, receive from ``me - i``) so that every
-    rank talks to a different peer at each step instead of all sending to rank 0 first.
+    One message per non-empty tensor, in list order; a peer's lists must mirror ours (its
+    ``sends[me]`` has the sizes of our ``recvs[peer]``). Peers are visited in a rotation (send
+    to ``me + i``, receive from ``me - i``) so that every rank talks to a different peer at each
+    step instead of all sending to rank 0 first.
     """
     size, me = dist.get_world_size(group), dist.get_rank(group)
     works = []
     for i in range(1, size):
         dst, src = (me + i) % size, (me - i) % size
-        send, recv = sends[dst], recvs[src]
-        assert send is not None and recv is not None
-        works.append(dist.isend(send, dist.get_global_rank(group, dst), group=group, tag=tag))
-        works.append(dist.irecv(recv, dist.get_global_rank(group, src), group=group, tag=tag))
+        gdst, gsrc = dist.get_global_rank(group, dst), dist.get_global_rank(group, src)
+        works += [dist.isend(t, gdst, group=group, tag=tag) for t in sends[dst] if t.numel()]
+        works += [dist.irecv(t, gsrc, group=group, tag=tag) for t in recvs[src] if t.numel()]
     return works
 
 
@@ -226,7 +231,7 @@ _P2P_TAGS = {"all_gather": 0x6667, "reduce_scatter": 0x6672}
 _P2P_MAX_RANKS = 8
 
 
-def _algorithm(kind: str, requested: str, group: ProcessGroup, tensor: torch.Tensor) -> str:
+def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.device) -> str:
     """The call that implements ``kind``: ``requested`` unless it is ``"auto"``.
 
     ``"auto"`` on gloo (CPU tensors): the all-gather is a p2p exchange up to
@@ -240,12 +245,19 @@ def _algorithm(kind: str, requested: str, group: ProcessGroup, tensor: torch.Ten
         raise ValueError(f"{kind}: unknown algorithm {requested!r}")
     if requested != "auto":
         return requested
-    if "gloo" not in str(dist.get_backend(group)) or tensor.device.type != "cpu":
+    if "gloo" not in str(dist.get_backend(group)) or device.type != "cpu":
         return kind
     size = dist.get_world_size(group)
     if kind == "reduce_scatter":
         return "p2p" if size == 2 else "all_reduce"
     return "p2p" if size <= _P2P_MAX_RANKS else kind
+
+
+def gather_algorithm(group: ProcessGroup | None, device: torch.device) -> str:
+    """What ``all_gather(..., algorithm="auto")`` runs on ``group`` for tensors on ``device``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return "local"
+    return _algorithm("all_gather", "auto", group, device)
 
 
 def _start(
@@ -310,21 +322,53 @@ def all_gather(
     if size == 1:
         return Handle(None)
     assert group is not None
-    algorithm = _algorithm("all_gather", algorithm, group, output)
+    algorithm = _algorithm("all_gather", algorithm, group, output.device)
     _record("all_gather", output, size, algorithm)
     if algorithm != "p2p":
         return _start(
             "all_gather", "all_gather", what, size, output, input, group=group, async_op=async_op
         )
-    rows = list(output.view(size, -1))
+    rows = output.view(size, -1)
     me = dist.get_rank(group)
     if rows[me].data_ptr() != input.data_ptr():
         rows[me].copy_(input)
-    recvs: list[torch.Tensor | None] = [r if i != me else None for i, r in enumerate(rows)]
-    sends: list[torch.Tensor | None] = [input if i != me else None for i in range(size)]
+    recvs = [[row] for row in rows]
+    sends = [[input]] * size
     tag = _P2P_TAGS["all_gather"]
     return _start(
         "all_gather", "p2p", what, size, sends, recvs, group=group, tag=tag, async_op=async_op
+    )
+
+
+def all_gather_pieces(
+    pieces: list[list[torch.Tensor]],
+    group: ProcessGroup | None,
+    *,
+    nbytes: int,
+    what: str = "",
+) -> Handle:
+    """All-gather several tensors per rank, each received straight where it belongs.
+
+    ``pieces[r]`` are group rank ``r``'s tensors (1-D, contiguous, the same sizes on every
+    rank); this rank's are the data to send, the others' are filled from their owners. Always a
+    p2p exchange (gloo, see [Note: p2p on gloo]): it lets a unit's parameters be gathered into
+    their unsharded buffer with no packed buffer and no copy-out. ``nbytes`` is what to count
+    on the wire (the packed all-gather's full output, for comparable accounting).
+    """
+    size = dist.get_world_size(group) if group is not None else 1
+    if len(pieces) != size or any(len(p) != len(pieces[0]) for p in pieces):
+        raise ValueError(
+            f"all_gather_pieces: expected {size} ranks x the same number of tensors, got "
+            f"{[len(p) for p in pieces]}"
+        )
+    if size == 1:
+        return Handle(None)
+    assert group is not None
+    me = dist.get_rank(group)
+    _record("all_gather", pieces[me][0], size, "p2p", nbytes=nbytes)
+    tag = _P2P_TAGS["all_gather"]
+    return _start(
+        "all_gather", "p2p", what, size, [pieces[me]] * size, pieces, group=group, tag=tag
     )
 
 
@@ -351,7 +395,7 @@ def reduce_scatter(
     if size == 1:
         return Handle(None)
     assert group is not None
-    algorithm = _algorithm("reduce_scatter", algorithm, group, input)
+    algorithm = _algorithm("reduce_scatter", algorithm, group, input.device)
     _record("reduce_scatter", input, size, algorithm)
     me = dist.get_rank(group)
     chunks = list(input.view(size, -1))
@@ -359,11 +403,11 @@ def reduce_scatter(
         # The first peer's chunk lands in ``output`` itself; any others in one scratch buffer.
         peers = [(me - i) % size for i in range(1, size)]
         scratch = torch.empty(size - 2, output.numel(), dtype=output.dtype, device=output.device)
-        recvs: list[torch.Tensor | None] = [None] * size
-        recvs[peers[0]] = output
+        recvs: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        recvs[peers[0]] = [output]
         for row, peer in zip(scratch, peers[1:]):
-            recvs[peer] = row
-        sends: list[torch.Tensor | None] = [c if i != me else None for i, c in enumerate(chunks)]
+            recvs[peer] = [row]
+        sends = [[c] for c in chunks]
 
         def finish() -> None:
             output.add_(chunks[me])

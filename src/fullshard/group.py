@@ -9,6 +9,14 @@ tensor whose first ``n_i`` rows are the parameter. The reduce-scatter input is t
 ``[world, total]`` layout built from the unsharded gradients (zero padding), so each rank's
 output row is exactly its padded gradient shards.
 
+[Note: gathering in pieces]
+Where all-gathers are p2p exchanges (gloo, see fullshard.collectives), a unit skips the packed
+buffer altogether: it allocates the unsharded buffer when the gather is issued, copies its own
+shards into their rows, and receives every peer's shard of every parameter straight into that
+parameter's row — one message per parameter and peer. No ``[world, total]`` buffer is
+allocated and nothing is copied out, which saves a unit-sized buffer and a unit-sized copy per
+gather. Packed gathers remain for NCCL, a low-precision wire dtype, and int ``k`` resharding.
+
 [Note: why storage is resized, not freed]
 Autograd saves views of the unsharded parameters for backward. Freeing the unsharded buffer by
 ``untyped_storage().resize_(0)`` keeps those tensor objects (and the ``nn.Parameter`` leaves
@@ -149,8 +157,9 @@ class ParamGroup:
         self.post_forward_group: dist.ProcessGroup | None = None
         self.post_forward_index = 0  # this rank's index within post_forward_group
         self._post_forward_chunk: torch.Tensor | None = None  # 1D [world/k * total]
-        # All-gather in flight: (handle, output, input) — gloo reads the input asynchronously.
-        self._gather: tuple[C.Handle, torch.Tensor, torch.Tensor] | None = None
+        # All-gather in flight: (handle, output, input) — gloo reads the input asynchronously;
+        # output and input are None when it gathers straight into the unsharded buffer.
+        self._gather: tuple[C.Handle, torch.Tensor | None, torch.Tensor | None] | None = None
         self._unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
         self._grads_seen = 0
         self.backward_done = False  # reduce_grads already ran in this backward
@@ -230,8 +239,7 @@ class ParamGroup:
         return self._unsharded_buf.untyped_storage().nbytes()
 
     # ---------------------------------------------------------------------------- unshard
-    def _pack_shards(self, inp: torch.Tensor) -> torch.Tensor:
-        """Copy this rank's shards into ``inp`` (1-D, ``total`` elements; casts to its dtype)."""
+    def _check_materialised(self) -> None:
         meta = [sp.fqn for sp in self.params if sp.local.is_meta]
         if meta:
             raise RuntimeError(
@@ -239,6 +247,10 @@ class ParamGroup:
                 f"Call module.to_empty(device=...) and then reset_parameters() (or load a "
                 f"checkpoint) before the forward pass"
             )
+
+    def _pack_shards(self, inp: torch.Tensor) -> torch.Tensor:
+        """Copy this rank's shards into ``inp`` (1-D, ``total`` elements; casts to its dtype)."""
+        self._check_materialised()
         for sp, off in zip(self.params, self.offsets):
             if sp.local_numel:
                 inp[off : off + sp.local_numel].copy_(sp.local.reshape(-1), non_blocking=True)
@@ -274,6 +286,9 @@ class ParamGroup:
                 inp = quantize_int8(self._pack_shards(full), self.comm_policy.block_size)
                 del full
                 out = torch.empty(inp.numel() * self.world, dtype=inp.dtype, device=self.device)
+            elif wire == self._compute_dtype() and self._gathers_in_pieces():
+                self._gather = (self._gather_into_params(), None, None)
+                return
             else:
                 # Gather in place: this rank's slot of the output is the input (no extra copy).
                 group = self.info.shard_group
@@ -281,6 +296,31 @@ class ParamGroup:
                 inp = self._pack_shards(out.view(self.world, self.total)[self.info.shard_rank])
             handle = C.all_gather(out, inp, group, async_op=async_op, what=f"unit {self.name!r}")
         self._gather = (handle, out, inp)
+
+    def _gathers_in_pieces(self) -> bool:
+        """Whether all-gathers run as a p2p exchange (gloo), which can fill each parameter."""
+        group = self.info.shard_group
+        return C.gather_algorithm(group, self.device) == "p2p"
+
+    def _gather_into_params(self) -> C.Handle:
+        """All-gather straight into the unsharded buffer (see [Note: gathering in pieces])."""
+        buf = self._unsharded_buf
+        assert buf is not None
+        self._check_materialised()
+        me = self.info.shard_rank
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            regions = self._regions()
+            for sp, region in zip(self.params, regions):
+                if sp.local_numel:
+                    region[me, : sp.local_numel].copy_(sp.local.reshape(-1))
+        pieces = [
+            [region[r, : sp.rank_numel(r)] for sp, region in zip(self.params, regions)]
+            for r in range(self.world)
+        ]
+        nbytes = buf.numel() * buf.element_size()
+        what = f"unit {self.name!r}"
+        return C.all_gather_pieces(pieces, self.info.shard_group, nbytes=nbytes, what=what)
 
     def wait_for_unshard(self) -> None:
         """Finish the all-gather (issuing it if needed) and expose the unsharded parameters."""
@@ -295,10 +335,11 @@ class ParamGroup:
         buf = self._unsharded_buf
         # Refilling the buffer is not a mutation autograd must see: saved views hold the same
         # values they had when saved (see [Note: why storage is resized, not freed]).
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-            sizes = [sp.shard_numel for sp in self.params]
-            torch.split_with_sizes_copy(self._decode(out), sizes, dim=1, out=self._regions())
+        if out is not None:  # gathered into a packed buffer: copy each parameter out
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+                sizes = [sp.shard_numel for sp in self.params]
+                torch.split_with_sizes_copy(self._decode(out), sizes, dim=1, out=self._regions())
         for sp in self.params:
             sp.to_unsharded()
         self.state = ShardedState.UNSHARDED
@@ -309,13 +350,12 @@ class ParamGroup:
         if self._gather is not None:  # prefetched but never used
             self._gather[0].wait()
             self._gather = None
-        if self.state is ShardedState.SHARDED:
-            return
-        for sp in self.params:
-            sp.to_sharded()
-        assert self._unsharded_buf is not None
-        self._unsharded_buf.untyped_storage().resize_(0)
-        self.state = ShardedState.SHARDED
+        if self.state is ShardedState.UNSHARDED:
+            for sp in self.params:
+                sp.to_sharded()
+            self.state = ShardedState.SHARDED
+        if self._unsharded_buf is not None:  # also a gather-in-pieces that was never waited on
+            self._unsharded_buf.untyped_storage().resize_(0)
 
     def reshard_partial(self) -> None:
         """Reshard after forward but keep a copy sharded over ``post_forward_group`` (int k)."""

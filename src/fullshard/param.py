@@ -95,6 +95,11 @@ class ShardedParam:
         # Unsharded gradient accumulated across micro-steps without sync (in reduce dtype).
         self.unsharded_accum_grad: torch.Tensor | None = None
 
+    def rank_numel(self, rank: int) -> int:
+        """Elements of shard rank ``rank``'s unpadded chunk (``local_numel`` on that rank)."""
+        rows = self.orig_shape[0]
+        return max(0, min(self.chunk_rows, rows - rank * self.chunk_rows)) * self.row_numel
+
     def is_original(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the user's Parameter this ShardedParam was made from."""
         return self._orig_ref() is tensor

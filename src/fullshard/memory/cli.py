@@ -90,7 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     r.add_argument("--no-reshard-after-forward", action="store_true")
     r.add_argument("--units", choices=["block", "model"], default="block")
-    r.add_argument("--engine", choices=sorted(ENGINES), default="fullshard")
+    r.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="fullshard",
+        help="whose buffers to model: fullshard on gloo/CPU (default), fullshard on NCCL, or "
+        "torch FSDP2",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--budget", help="per-rank memory budget (e.g. 16GiB): recommend what fits")
     o.add_argument("--timeline", action="store_true", help="print every event of the step")
@@ -306,6 +312,13 @@ def main(argv: list[str]) -> int:
     if args.measure:
         if spec.model is None:
             print("fullshard plan: --measure runs the GPT only", file=sys.stderr)
+            return 2
+        if spec.engine.endswith("-nccl"):
+            print(
+                f"fullshard plan: --measure runs on local gloo ranks (CPU); --engine "
+                f"{spec.engine} models NCCL. Measure with --engine fullshard, or drop --measure",
+                file=sys.stderr,
+            )
             return 2
         from fullshard.memory.measure import measure_rank
         from fullshard.testing import run_distributed

@@ -58,9 +58,9 @@ class EngineModel:
 
     name: str
     copy_out: bool
-    """All-gather into one packed buffer, then copy each parameter out (torch FSDP2): the packed
-    buffer and the per-parameter copies coexist while a unit is gathered. ``False``: parameters
-    are views into the packed buffer."""
+    """All-gather into one packed buffer, then copy each parameter out (torch FSDP2, fullshard
+    on NCCL): the packed buffer and the per-parameter copies coexist while a unit is gathered.
+    ``False``: the gather fills the parameters' buffer directly (fullshard on gloo)."""
     forward_prefetch: int
     """Units gathered ahead of the current one in forward."""
     backward_prefetch: int
@@ -74,11 +74,21 @@ class EngineModel:
 
 
 ENGINES: dict[str, EngineModel] = {
-    # fullshard's engine (see fullshard.group): gathers in place into a rank-major packed
-    # buffer, copies each parameter out into the unit's buffer, prefetches one unit each way,
-    # and finishes the previous reduce-scatter before packing the next.
+    # fullshard's engine on gloo/CPU (see fullshard.group, [Note: gathering in pieces]): the
+    # all-gather fills the unit's unsharded buffer directly, one unit is prefetched each way,
+    # and the previous reduce-scatter finishes before the next one is packed.
     "fullshard": EngineModel(
         name="fullshard",
+        copy_out=False,
+        forward_prefetch=1,
+        backward_prefetch=1,
+        gather_input_copy=False,
+        reduce_pending=False,
+    ),
+    # fullshard on NCCL: the same, but gathers in place into a rank-major packed buffer and
+    # copies each parameter out into the unit's buffer (not yet measured on a GPU).
+    "fullshard-nccl": EngineModel(
+        name="fullshard-nccl",
         copy_out=True,
         forward_prefetch=1,
         backward_prefetch=1,
@@ -454,7 +464,8 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
         new = now - was
         if new:  # all-gathers issued on entering this segment
             extra = sum(gathered[i] for i in new) if eng.copy_out else 0
-            if eng.gather_input_copy or spec.param_dtype != torch.float32:  # the shard sent
+            low_precision = spec.param_dtype != torch.float32 and eng.copy_out
+            if eng.gather_input_copy or low_precision:  # the shard sent
                 extra += sum(units[i].shard_numel * pbytes for i in new)
             ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending})
             ev.update(
