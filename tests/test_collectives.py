@@ -72,6 +72,67 @@ def _concurrent(group: dist.ProcessGroup, members: list[int]) -> None:
         assert torch.equal(out, sum(_chunk(g, tag) for g in members) * (gr + 1))
 
 
+SIZES = [5, 0, 3, 1000]  # elements per piece (one empty), the same on every rank
+
+
+def _pieces(group: dist.ProcessGroup, members: list[int], tag: int) -> None:
+    """all_gather_pieces / reduce_scatter_pieces: uneven and empty pieces, two of each in flight
+    at once next to a packed p2p gather, waited out of order."""
+    me, size, gr = dist.get_rank(), len(members), dist.get_rank(group)
+    nbytes = size * sum(SIZES) * 4
+
+    def piece(g: int, k: int, t: int) -> torch.Tensor:
+        return _chunk(g, t)[: SIZES[k]] + k
+
+    handles, gathered, reduced = [], [], []
+    for t in (tag, tag + 1):
+        bufs = [[torch.full((n,), -1.0) for n in SIZES] for _ in range(size)]
+        for k in range(len(SIZES)):
+            bufs[gr][k].copy_(piece(me, k, t))
+        handles.append(C.all_gather_pieces(bufs, group, nbytes=nbytes))
+        gathered.append((bufs, t))
+        contrib = [[piece(me, k, t) * (r + 1) for k in range(len(SIZES))] for r in range(size)]
+        outs = [torch.full((n,), -1.0) for n in SIZES]
+        handles.append(C.reduce_scatter_pieces(contrib, outs, group, nbytes=nbytes))
+        reduced.append((outs, t))
+    packed = torch.empty(size * N)
+    packed.view(size, N)[gr].copy_(_chunk(me, tag))
+    handles.append(C.all_gather(packed, packed.view(size, N)[gr], group, algorithm="p2p"))
+    for h in reversed(handles):
+        h.wait()
+    assert torch.equal(packed, torch.cat([_chunk(g, tag) for g in members]))
+    for bufs, t in gathered:
+        for r, g in enumerate(members):
+            for k in range(len(SIZES)):
+                assert torch.equal(bufs[r][k], piece(g, k, t)), (r, k, members)
+    for outs, t in reduced:
+        for k in range(len(SIZES)):
+            want = sum(piece(g, k, t) for g in members) * (gr + 1)
+            assert torch.equal(outs[k], want), (k, members)
+
+
+def _stress(group: dist.ProcessGroup, members: list[int]) -> None:
+    """Many small exchanges of unequal pieces back to back, three in flight at a time: pieces
+    sharing a tag can be matched out of order by gloo (a 96-byte message into a 16-byte
+    receive), so each needs its own."""
+    me, size, gr = dist.get_rank(), len(members), dist.get_rank(group)
+    sizes = [24, 4, 18, 3, 6]
+    inflight: list[tuple[C.Handle, list[list[torch.Tensor]], int]] = []
+    for it in range(150):
+        bufs = [[torch.empty(n) for n in sizes] for _ in range(size)]
+        for k in range(len(sizes)):
+            bufs[gr][k].fill_(1000 * it + 10 * me + k)
+        inflight.append((C.all_gather_pieces(bufs, group, nbytes=0), bufs, it))
+        if len(inflight) == 3:
+            h, bufs, i = inflight.pop(0)
+            h.wait()
+            for r, g in enumerate(members):
+                for k, n in enumerate(sizes):
+                    assert torch.equal(bufs[r][k], torch.full((n,), 1000.0 * i + 10 * g + k))
+    for h, _, _ in inflight:
+        h.wait()
+
+
 def _rank_main() -> dict[str, object]:
     me = dist.get_rank()
     world = dist.group.WORLD
@@ -81,6 +142,11 @@ def _rank_main() -> dict[str, object]:
     done = _check_group(world, [0, 1, 2, 3], tag=1) + _check_group(pair, members, tag=2)
     _concurrent(world, [0, 1, 2, 3])
     _concurrent(pair, members)
+    _pieces(world, [0, 1, 2, 3], tag=3)
+    _pieces(pair, members, tag=5)
+    _stress(world, [0, 1, 2, 3])
+    _stress(pair, members)
+    done.append("pieces")
     # bf16 through the exchange (values stay exact in bf16)
     out = torch.empty(4 * N, dtype=torch.bfloat16)
     C.all_gather(out, _chunk(me, 0, torch.bfloat16), world, algorithm="p2p").wait()
@@ -114,6 +180,7 @@ def test_every_algorithm_matches_the_collective(results: list[dict[str, object]]
         for algo in algos:
             for size in (4, 2):
                 assert f"{kind}:{algo}:{size}" in done
+    assert "pieces" in done
 
 
 def test_auto_picks_p2p_where_it_is_faster_and_free(results: list[dict[str, object]]) -> None:

@@ -15,9 +15,9 @@ including the local sum); on 4 ranks 5.9 vs 11.3 ms and 8.7 vs 21.5 ms
 ZeRO bytes, (N - 1) / N of the buffer per rank. The all-gather receives straight into the
 output; the reduce-scatter must hold all N - 1 received chunks before summing, which is free on
 2 ranks (the one chunk lands in the output) but costs N - 2 chunks of scratch on more, so there
-it stays an in-place all-reduce (see :func:`_algorithm`). Each kind has its own message tag;
-like any collective, it relies on every rank issuing its collectives of one kind in the same
-order.
+it stays an in-place all-reduce (see :func:`_algorithm`). Every message in flight has its own
+tag (see ``_next_tag``); like any collective, an exchange relies on every rank issuing its
+collectives in the same order.
 
 Byte accounting ("bytes on the wire" as the ZeRO papers count them): an all-gather counts its
 full output, a reduce-scatter its full input, an all-reduce its tensor. With this convention
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -94,8 +95,8 @@ class CollectiveStats:
         self.wait_seconds = 0.0
 
 
-# Recorders currently listening. Explicit and scoped by ``count_collectives``; nothing else
-# in fullshard keeps module-level state.
+# Recorders currently listening. Explicit and scoped by ``count_collectives``; the only other
+# module-level state in fullshard is the per-group p2p tag counter (``_next_tag``).
 _active: list[CollectiveStats] = []
 
 
@@ -204,28 +205,41 @@ def _exchange(
     recvs: list[list[torch.Tensor]],
     *,
     group: ProcessGroup,
-    tag: int,
     async_op: bool = True,
 ) -> list[Any]:
     """Send the tensors ``sends[r]`` to, and receive ``recvs[r]`` from, every other group rank.
 
-    One message per non-empty tensor, in list order; a peer's lists must mirror ours (its
-    ``sends[me]`` has the sizes of our ``recvs[peer]``). Peers are visited in a rotation (send
-    to ``me + i``, receive from ``me - i``) so that every rank talks to a different peer at each
-    step instead of all sending to rank 0 first.
+    One message per non-empty tensor; a peer's lists must mirror ours (its ``sends[me]`` has
+    the sizes of our ``recvs[peer]``). Message ``k`` of the exchange carries tag ``base + k``,
+    ``base`` drawn from the group's tag counter (see [Note: p2p on gloo]). Peers are visited in
+    a rotation (send to ``me + i``, receive from ``me - i``) so that every rank talks to a
+    different peer at each step instead of all sending to rank 0 first.
     """
     size, me = dist.get_world_size(group), dist.get_rank(group)
+    n = max(len(t) for t in sends)
+    base = _P2P_TAG_BASE + _next_tag.get(group, 0)
+    _next_tag[group] = (_next_tag.get(group, 0) + n) % _P2P_TAG_SPACE
     works = []
     for i in range(1, size):
         dst, src = (me + i) % size, (me - i) % size
         gdst, gsrc = dist.get_global_rank(group, dst), dist.get_global_rank(group, src)
-        works += [dist.isend(t, gdst, group=group, tag=tag) for t in sends[dst] if t.numel()]
-        works += [dist.irecv(t, gsrc, group=group, tag=tag) for t in recvs[src] if t.numel()]
+        for k, t in enumerate(sends[dst]):
+            if t.numel():
+                works.append(dist.isend(t, gdst, group=group, tag=base + k))
+        for k, t in enumerate(recvs[src]):
+            if t.numel():
+                works.append(dist.irecv(t, gsrc, group=group, tag=base + k))
     return works
 
 
-# Message tags of the p2p exchanges, one per kind (see [Note: p2p on gloo]).
-_P2P_TAGS = {"all_gather": 0x6667, "reduce_scatter": 0x6672}
+# Per process group, the next p2p tag offset. gloo does not match a peer's messages to our
+# receives in posting order (two in flight with one tag can cross), so every message in flight
+# needs its own tag. Every rank issues the same exchanges on a group in the same order — as it
+# must for any collective — so the counters agree across ranks without communication. Tags
+# start above 2**20 to stay clear of a user's own send/recv tags on the same group.
+_next_tag: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
+_P2P_TAG_BASE = 1 << 20
+_P2P_TAG_SPACE = 1 << 30
 # Up to this many ranks a gloo all-gather is N - 1 sends and receives per rank; measured on 2
 # and 4 ranks. Past it, gloo's own all-gather (a ring) is used.
 _P2P_MAX_RANKS = 8
@@ -253,11 +267,12 @@ def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.dev
     return "p2p" if size <= _P2P_MAX_RANKS else kind
 
 
-def gather_algorithm(group: ProcessGroup | None, device: torch.device) -> str:
-    """What ``all_gather(..., algorithm="auto")`` runs on ``group`` for tensors on ``device``."""
+def auto_algorithm(kind: str, group: ProcessGroup | None, device: torch.device) -> str:
+    """What ``kind`` (``"all_gather"`` or ``"reduce_scatter"``) runs with ``algorithm="auto"``
+    on ``group`` for tensors on ``device``; ``"local"`` on one rank."""
     if group is None or dist.get_world_size(group) == 1:
         return "local"
-    return _algorithm("all_gather", "auto", group, device)
+    return _algorithm(kind, "auto", group, device)
 
 
 def _start(
@@ -334,10 +349,7 @@ def all_gather(
         rows[me].copy_(input)
     recvs = [[row] for row in rows]
     sends = [[input]] * size
-    tag = _P2P_TAGS["all_gather"]
-    return _start(
-        "all_gather", "p2p", what, size, sends, recvs, group=group, tag=tag, async_op=async_op
-    )
+    return _start("all_gather", "p2p", what, size, sends, recvs, group=group, async_op=async_op)
 
 
 def all_gather_pieces(
@@ -366,10 +378,7 @@ def all_gather_pieces(
     assert group is not None
     me = dist.get_rank(group)
     _record("all_gather", pieces[me][0], size, "p2p", nbytes=nbytes)
-    tag = _P2P_TAGS["all_gather"]
-    return _start(
-        "all_gather", "p2p", what, size, [pieces[me]] * size, pieces, group=group, tag=tag
-    )
+    return _start("all_gather", "p2p", what, size, [pieces[me]] * size, pieces, group=group)
 
 
 def reduce_scatter(
@@ -400,33 +409,8 @@ def reduce_scatter(
     me = dist.get_rank(group)
     chunks = list(input.view(size, -1))
     if algorithm == "p2p":
-        # The first peer's chunk lands in ``output`` itself; any others in one scratch buffer.
-        peers = [(me - i) % size for i in range(1, size)]
-        scratch = torch.empty(size - 2, output.numel(), dtype=output.dtype, device=output.device)
-        recvs: list[list[torch.Tensor]] = [[] for _ in range(size)]
-        recvs[peers[0]] = [output]
-        for row, peer in zip(scratch, peers[1:]):
-            recvs[peer] = [row]
-        sends = [[c] for c in chunks]
-
-        def finish() -> None:
-            output.add_(chunks[me])
-            for row in scratch:
-                output.add_(row)
-
-        tag = _P2P_TAGS["reduce_scatter"]
-        return _start(
-            "reduce_scatter",
-            "p2p",
-            what,
-            size,
-            sends,
-            recvs,
-            group=group,
-            tag=tag,
-            async_op=async_op,
-            then=finish,
-        )
+        pieces = [[c] for c in chunks]
+        return _reduce_scatter_p2p(pieces, [output], group, what, async_op)
     tensors: tuple[torch.Tensor, ...] = (output, input)
     then = None
     if algorithm == "all_reduce":  # reduce the whole buffer in place, keep this rank's row
@@ -441,6 +425,78 @@ def reduce_scatter(
         group=group,
         async_op=async_op,
         then=then,
+    )
+
+
+def reduce_scatter_pieces(
+    pieces: list[list[torch.Tensor]],
+    outputs: list[torch.Tensor],
+    group: ProcessGroup | None,
+    *,
+    nbytes: int,
+    what: str = "",
+) -> Handle:
+    """Reduce-scatter several tensors per rank, sent from where they are, summed into place.
+
+    ``pieces[r]`` are this rank's contributions to group rank ``r``'s result (1-D, contiguous,
+    sizes agreed by all ranks); the sum over ranks of ``pieces[me]`` lands in ``outputs`` (same
+    sizes; overwritten). Always a p2p exchange (gloo, see [Note: p2p on gloo]): a unit's
+    gradients are sent straight from the unsharded gradients, with no packed buffer. Every
+    piece must stay untouched until the handle is waited on. ``nbytes`` is what to count on the
+    wire (the packed reduce-scatter's full input).
+    """
+    size = dist.get_world_size(group) if group is not None else 1
+    me = dist.get_rank(group) if group is not None else 0
+    if len(pieces) != size or any(len(p) != len(outputs) for p in pieces):
+        raise ValueError(
+            f"reduce_scatter_pieces: expected {size} ranks x {len(outputs)} tensors, got "
+            f"{[len(p) for p in pieces]}"
+        )
+    if size == 1:
+        for out, piece in zip(outputs, pieces[0]):
+            out.copy_(piece)
+        return Handle(None)
+    assert group is not None
+    _record("reduce_scatter", pieces[me][0], size, "p2p", nbytes=nbytes)
+    return _reduce_scatter_p2p(pieces, outputs, group, what, True)
+
+
+def _reduce_scatter_p2p(
+    pieces: list[list[torch.Tensor]],
+    outputs: list[torch.Tensor],
+    group: ProcessGroup,
+    what: str,
+    async_op: bool,
+) -> Handle:
+    """The p2p reduce-scatter: the first peer's pieces land in ``outputs`` themselves, any
+    other peers' in one scratch buffer; this rank's own pieces and the scratch are added on
+    wait."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    peers = [(me - i) % size for i in range(1, size)]
+    sizes = [o.numel() for o in outputs]
+    out0 = outputs[0]
+    scratch = torch.empty(size - 2, sum(sizes), dtype=out0.dtype, device=out0.device)
+    recvs: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    recvs[peers[0]] = list(outputs)
+    for row, peer in zip(scratch, peers[1:]):
+        recvs[peer] = list(row.split(sizes))
+
+    def finish() -> None:
+        for k, out in enumerate(outputs):
+            out.add_(pieces[me][k])
+            for peer in peers[1:]:
+                out.add_(recvs[peer][k])
+
+    return _start(
+        "reduce_scatter",
+        "p2p",
+        what,
+        size,
+        pieces,
+        recvs,
+        group=group,
+        async_op=async_op,
+        then=finish,
     )
 
 

@@ -17,6 +17,13 @@ parameter's row — one message per parameter and peer. No ``[world, total]`` bu
 allocated and nothing is copied out, which saves a unit-sized buffer and a unit-sized copy per
 gather. Packed gathers remain for NCCL, a low-precision wire dtype, and int ``k`` resharding.
 
+[Note: reducing in pieces]
+Likewise, where the reduce-scatter is a p2p exchange (gloo on 2 ranks), each parameter's
+gradient rows are sent to their owner straight from the unsharded gradient, and the peer's rows
+for this rank land in the output shard, where this rank's own rows are added on wait: no packed
+``[world, total]`` buffer, no packing copy. The gradients stay alive until then (as the packed
+buffer would). fp16's pre-division and a reduce dtype other than the gradients' still pack.
+
 [Note: why storage is resized, not freed]
 Autograd saves views of the unsharded parameters for backward. Freeing the unsharded buffer by
 ``untyped_storage().resize_(0)`` keeps those tensor objects (and the ``nn.Parameter`` leaves
@@ -89,7 +96,7 @@ class _PendingReduce:
     offsets: list[int]
     replicate_group: dist.ProcessGroup | None
     divide_after: float
-    send: torch.Tensor | None  # the packed input; gloo reads it until the collective ends
+    send: object  # what the collective reads (packed input or gradients) until it ends
     what: str  # for error messages
     # HSDP with set_requires_all_reduce(False): keep the reduce-scatter output as a partial
     # sum in ``partial`` (shared with the group) instead of producing gradients.
@@ -299,8 +306,7 @@ class ParamGroup:
 
     def _gathers_in_pieces(self) -> bool:
         """Whether all-gathers run as a p2p exchange (gloo), which can fill each parameter."""
-        group = self.info.shard_group
-        return C.gather_algorithm(group, self.device) == "p2p"
+        return C.auto_algorithm("all_gather", self.info.shard_group, self.device) == "p2p"
 
     def _gather_into_params(self) -> C.Handle:
         """All-gather straight into the unsharded buffer (see [Note: gathering in pieces])."""
@@ -418,8 +424,10 @@ class ParamGroup:
     def _reduce_scatter(
         self, ready: list[tuple[ShardedParam, torch.Tensor]], dtype: torch.dtype
     ) -> _PendingReduce:
-        """Pack ``ready`` into one buffer and reduce it; empties ``ready`` as it packs, so each
-        full-size gradient is freed right after its copy (peak: the buffer + one gradient)."""
+        """Reduce-scatter ``ready``'s gradients: straight from the gradients on gloo's 2-rank
+        exchange (see [Note: reducing in pieces]), else packed into one buffer — emptying
+        ``ready`` as it packs, so each full-size gradient is freed right after its copy (peak:
+        the buffer + one gradient)."""
         world = self.world
         offsets, off = [], 0
         for sp, _ in ready:
@@ -433,6 +441,32 @@ class ParamGroup:
             factor = 1.0
         # fp16 sums overflow easily: divide by sqrt(factor) before and after the reduction.
         pre = math.sqrt(factor) if dtype == torch.float16 else 1.0
+        hsdp = self.info.replicate_size > 1
+        replicate = self.info.replicate_group if hsdp and self.requires_all_reduce else None
+        partial = self._partial if hsdp else None
+        what = f"gradients of unit {self.name!r}"
+        group = self.info.shard_group
+        if (
+            pre == 1.0
+            and C.auto_algorithm("reduce_scatter", group, self.device) == "p2p"
+            and all(g.dtype == dtype and g.is_contiguous() for _, g in ready)
+        ):  # [Note: reducing in pieces]
+            params = [sp for sp, _ in ready]
+            flats = [g.view(-1) for _, g in ready]
+            ready.clear()
+            out = torch.empty(total, dtype=dtype, device=self.device)
+            for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
+                out[o + sp.local_numel : o + sp.shard_numel].zero_()
+            pieces = [
+                [f[r * sp.shard_numel :][: sp.rank_numel(r)] for sp, f in zip(params, flats)]
+                for r in range(world)
+            ]
+            outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
+            nbytes = world * total * out.element_size()
+            handle = C.reduce_scatter_pieces(pieces, outputs, group, nbytes=nbytes, what=what)
+            return _PendingReduce(
+                handle, out, params, offsets, replicate, factor, flats, what, partial=partial
+            )
         with torch.no_grad():
             send = torch.empty(world, total, dtype=dtype, device=self.device)
             params = [sp for sp, _ in ready]
@@ -456,20 +490,9 @@ class ParamGroup:
             out = (
                 send.view(-1) if world == 1 else torch.empty(total, dtype=dtype, device=self.device)
             )
-            what = f"gradients of unit {self.name!r}"
-            handle = C.reduce_scatter(out, send.view(-1), self.info.shard_group, what=what)
-        hsdp = self.info.replicate_size > 1
-        replicate = self.info.replicate_group if hsdp and self.requires_all_reduce else None
+            handle = C.reduce_scatter(out, send.view(-1), group, what=what)
         return _PendingReduce(
-            handle,
-            out,
-            params,
-            offsets,
-            replicate,
-            factor / pre,
-            send,
-            what,
-            partial=self._partial if hsdp else None,
+            handle, out, params, offsets, replicate, factor / pre, send, what, partial=partial
         )
 
     def finish_backward(self) -> None:

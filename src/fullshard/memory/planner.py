@@ -71,6 +71,9 @@ class EngineModel:
     reduce_pending: bool = False
     """A unit's packed reduce-scatter input stays alive until the next unit's reduction is
     issued (the reduction overlaps that unit's backward)."""
+    reduce_from_grads_2: bool = False
+    """On 2-way sharding the reduce-scatter sends straight from the gradients: no packed
+    input buffer (fullshard on gloo, [Note: reducing in pieces])."""
 
 
 ENGINES: dict[str, EngineModel] = {
@@ -84,6 +87,7 @@ ENGINES: dict[str, EngineModel] = {
         backward_prefetch=1,
         gather_input_copy=False,
         reduce_pending=False,
+        reduce_from_grads_2=True,
     ),
     # fullshard on NCCL: the same, but gathers in place into a rank-major packed buffer and
     # copies each parameter out into the unit's buffer (not yet measured on a GPU).
@@ -482,6 +486,12 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             # Full gradients and the packed reduce-scatter input coexist for the copy-in; the
             # new gradient shard is the output.
             send = u.padded_numel * pbytes
+            if (
+                eng.reduce_from_grads_2
+                and spec.shard_size == 2
+                and spec.param_dtype != torch.float16
+            ):
+                send = 0
             ev = dict(
                 base,
                 **{"gathered units": gath, "comm buffers": pending + send + u.shard_numel * f32},
