@@ -53,10 +53,18 @@ def variant_rank(cfg_dict: dict[str, Any], variant: str) -> dict[str, Any]:
     def forced(kind: str, requested: str, group: Any, device: Any) -> str:
         return _ALGORITHMS[variant].get(kind) or orig_algorithm(kind, requested, group, device)
 
+    class Done:
+        """A finished Work: the Handle still runs its completion step (copy-out, local sum)."""
+
+        def wait(self) -> bool:
+            return True
+
     def synchronous(kind: str, *args: Any, **kw: Any) -> Any:
         kw["async_op"] = False
-        orig(kind, *args, **kw)
-        return None
+        works = orig(kind, *args, **kw)
+        for work in works if isinstance(works, list) else []:  # p2p exchanges return Works
+            work.wait()
+        return Done()
 
     if variant in _ALGORITHMS:
         collectives._algorithm = forced  # type: ignore[assignment]
