@@ -450,20 +450,11 @@ class ParamGroup:
             pre == 1.0
             and C.auto_algorithm("reduce_scatter", group, self.device) == "p2p"
             and all(g.dtype == dtype and g.is_contiguous() for _, g in ready)
-        ):  # [Note: reducing in pieces]
+        ):
             params = [sp for sp, _ in ready]
             flats = [g.view(-1) for _, g in ready]
             ready.clear()
-            out = torch.empty(total, dtype=dtype, device=self.device)
-            for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
-                out[o + sp.local_numel : o + sp.shard_numel].zero_()
-            pieces = [
-                [f[r * sp.shard_numel :][: sp.rank_numel(r)] for sp, f in zip(params, flats)]
-                for r in range(world)
-            ]
-            outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
-            nbytes = world * total * out.element_size()
-            handle = C.reduce_scatter_pieces(pieces, outputs, group, nbytes=nbytes, what=what)
+            handle, out = self._reduce_in_pieces(params, flats, offsets, total, dtype, what)
             return _PendingReduce(
                 handle, out, params, offsets, replicate, factor, flats, what, partial=partial
             )
@@ -494,6 +485,29 @@ class ParamGroup:
         return _PendingReduce(
             handle, out, params, offsets, replicate, factor / pre, send, what, partial=partial
         )
+
+    def _reduce_in_pieces(
+        self,
+        params: list[ShardedParam],
+        flats: list[torch.Tensor],
+        offsets: list[int],
+        total: int,
+        dtype: torch.dtype,
+        what: str,
+    ) -> tuple[C.Handle, torch.Tensor]:
+        """Reduce-scatter straight from the flat gradients (see [Note: reducing in pieces]);
+        returns the handle and the output shard buffer (``total`` elements)."""
+        out = torch.empty(total, dtype=dtype, device=self.device)
+        for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
+            out[o + sp.local_numel : o + sp.shard_numel].zero_()
+        pieces = [
+            [f[r * sp.shard_numel :][: sp.rank_numel(r)] for sp, f in zip(params, flats)]
+            for r in range(self.world)
+        ]
+        outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
+        nbytes = self.world * total * out.element_size()
+        group = self.info.shard_group
+        return C.reduce_scatter_pieces(pieces, outputs, group, nbytes=nbytes, what=what), out
 
     def finish_backward(self) -> None:
         """End of backward: drop per-backward counters; free anything still gathered."""
