@@ -179,3 +179,28 @@ def test_two_agents_multi_node(reference: tuple[Path, str], tmp_path: Path) -> N
     start = read_metrics(run_dir / "metrics.jsonl")[0]
     assert start["world_size"] == 2
     assert _train_losses(run_dir) == _train_losses(reference[0])
+
+
+def test_precision_checkpointing_offload_and_time_budget(tmp_path: Path) -> None:
+    """bf16 + activation checkpointing + CPU offload train (loss falls, stays finite), and
+    --time-budget stops the run early with a resumable checkpoint at the step it reached."""
+    run_dir = tmp_path / "run"
+    flags = [
+        "--preset", "tiny", "--max-steps", "100000", "--time-budget", "12",
+        "--mixed-precision", "bf16", "--activation-checkpointing", "--cpu-offload",
+        "--eval-every", "0", "--sample-tokens", "0", "--log-every", "10",
+    ]  # fmt: skip
+    proc = _run(*flags, "--run-dir", str(run_dir), cwd=tmp_path)
+    config = from_toml(str(run_dir / "config.toml"))
+    assert config["mixed_precision"] == "bf16"
+    assert config["activation_checkpointing"] is True and config["cpu_offload"] is True
+    stop = read_metrics(run_dir / "metrics.jsonl")[-1]
+    assert (stop["kind"], stop["reason"]) == ("stop", "time_budget"), proc.stdout
+    losses = _train_losses(run_dir)
+    assert 5 <= stop["step"] < 100000 and len(losses) == stop["step"]
+    assert all(v == v and abs(v) < 100 for v in losses.values())  # finite
+    first, last = losses[1], sum(list(losses.values())[-3:]) / 3
+    assert last < first - 0.3, f"loss did not fall under bf16 + AC + offload: {first} -> {last}"
+    assert Path(stop["checkpoint"]).name == f"step_{stop['step']:08d}"
+    assert Path(stop["checkpoint"]).is_dir()
+    assert "time budget reached" in proc.stdout + proc.stderr
