@@ -232,9 +232,9 @@ def _exchange(
     return works
 
 
-# Per process group, the next p2p tag offset. gloo does not match a peer's messages to our
-# receives in posting order (two in flight with one tag can cross), so every message in flight
-# needs its own tag. Every rank issues the same exchanges on a group in the same order — as it
+# Per process group, the next p2p tag offset. gloo does not promise to match a peer's messages
+# to our receives in posting order: with one tag per kind, a 96-byte message once landed in a
+# 16-byte receive in the test suite. So every message in flight gets its own tag. Every rank issues the same exchanges on a group in the same order — as it
 # must for any collective — so the counters agree across ranks without communication. Tags
 # start above 2**20 to stay clear of a user's own send/recv tags on the same group.
 _next_tag: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
@@ -251,8 +251,8 @@ def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.dev
     ``"auto"`` on gloo (CPU tensors): the all-gather is a p2p exchange up to
     ``_P2P_MAX_RANKS`` ranks; the reduce-scatter is a p2p exchange on 2 ranks, where the one
     received chunk lands in the output and needs no scratch, and an in-place all-reduce on
-    more (a p2p reduce-scatter holds N - 2 received chunks in scratch at once: +24 MiB per rank
-    on ``fullshard bench --config memory --nproc 4``, which would put the peak above FSDP2's).
+    more (a p2p reduce-scatter holds N - 2 received chunks in scratch at once: 24 MiB per rank
+    on ``fullshard bench --config memory --nproc 4``, +30 MiB peak RSS, above FSDP2's).
     Other backends use their own collective.
     """
     if requested not in ("auto", kind, "p2p", "all_reduce"):
