@@ -7,7 +7,8 @@ copy-out splits its columns per parameter into the unsharded buffer, where param
 occupies ``world * shard_numel_i`` contiguous elements — a padded ``[world * c_i, ...]``
 tensor whose first ``n_i`` rows are the parameter. The reduce-scatter input is the same
 ``[world, total]`` layout built from the unsharded gradients (zero padding), so each rank's
-output row is exactly its padded gradient shards.
+output row is exactly its padded gradient shards. These packed buffers are what NCCL (and
+the cases listed below) use; gloo skips them, see the next two notes.
 
 [Note: gathering in pieces]
 Where all-gathers are p2p exchanges (gloo, see fullshard.collectives), a unit skips the packed
