@@ -93,6 +93,12 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--preset", "tiny", "--world-size", "2", "--timeline"]) == 0
     assert "per-rank peak" in capsys.readouterr().out
     assert main(["--preset", "tiny", "--world-size", "3", "--mesh", "2x2"]) == 2
+    capsys.readouterr()
+    # The NCCL engine model is predicted, never "measured" on gloo ranks.
+    nccl = ["--preset", "tiny", "--world-size", "2", "--engine", "fullshard-nccl"]
+    assert main(nccl) == 0
+    assert main([*nccl, "--measure"]) == 2
+    assert "models NCCL" in capsys.readouterr().err
 
 
 def test_parse_bytes() -> None:

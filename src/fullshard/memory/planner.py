@@ -23,6 +23,7 @@ The peak is the maximum over the segments' events; the event and its breakdown a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -76,28 +77,23 @@ class EngineModel:
     input buffer (fullshard on gloo, [Note: reducing in pieces])."""
 
 
+# fullshard's engine on gloo/CPU (see fullshard.group, [Note: gathering in pieces]): the
+# all-gather fills the unit's unsharded buffer directly, one unit is prefetched each way, and
+# the previous reduce-scatter finishes before the next one is issued.
+_FULLSHARD_GLOO = EngineModel(
+    name="fullshard",
+    copy_out=False,
+    forward_prefetch=1,
+    backward_prefetch=1,
+    reduce_from_grads_2=True,
+)
+
 ENGINES: dict[str, EngineModel] = {
-    # fullshard's engine on gloo/CPU (see fullshard.group, [Note: gathering in pieces]): the
-    # all-gather fills the unit's unsharded buffer directly, one unit is prefetched each way,
-    # and the previous reduce-scatter finishes before the next one is packed.
-    "fullshard": EngineModel(
-        name="fullshard",
-        copy_out=False,
-        forward_prefetch=1,
-        backward_prefetch=1,
-        gather_input_copy=False,
-        reduce_pending=False,
-        reduce_from_grads_2=True,
-    ),
-    # fullshard on NCCL: the same, but gathers in place into a rank-major packed buffer and
-    # copies each parameter out into the unit's buffer (not yet measured on a GPU).
-    "fullshard-nccl": EngineModel(
-        name="fullshard-nccl",
-        copy_out=True,
-        forward_prefetch=1,
-        backward_prefetch=1,
-        gather_input_copy=False,
-        reduce_pending=False,
+    "fullshard": _FULLSHARD_GLOO,
+    # fullshard on NCCL: the same, but gathers in place into a rank-major packed buffer, copies
+    # each parameter out, and packs gradients (not yet measured on a GPU).
+    "fullshard-nccl": dataclasses.replace(
+        _FULLSHARD_GLOO, name="fullshard-nccl", copy_out=True, reduce_from_grads_2=False
     ),
     # torch FSDP2 on CPU: per-parameter copy-out, no forward prefetch (no streams), backward
     # prefetch of one unit.
