@@ -255,8 +255,9 @@ def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.dev
     on ``fullshard bench --config memory --nproc 4``, +30 MiB peak RSS, above FSDP2's).
     Other backends use their own collective.
     """
-    if requested not in ("auto", kind, "p2p", "all_reduce"):
-        raise ValueError(f"{kind}: unknown algorithm {requested!r}")
+    known = ("auto", kind, "p2p", *(("all_reduce",) if kind == "reduce_scatter" else ()))
+    if requested not in known:
+        raise ValueError(f"{kind}: unknown algorithm {requested!r}; choose from {known}")
     if requested != "auto":
         return requested
     if "gloo" not in str(dist.get_backend(group)) or device.type != "cpu":
