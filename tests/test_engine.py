@@ -43,13 +43,14 @@ def _run_cases() -> dict[str, tuple[list[float], dict[str, torch.Tensor], list]]
             continue
         model = shard_net(make_net(**model_kwargs), **shard_kwargs)
         opt = make_optimizer(model)
-        losses, counts, leftover = [], [], []
+        losses, counts, leftover, algos = [], [], [], set()
         for step in range(STEPS):
             with count_collectives() as stats:
                 losses.append(sharded_step(model, opt, step, micro_batches=micro))
             counts.append([(r.kind, r.group_size) for r in stats.records if r.group_size > 0])
+            algos |= {(r.kind, r.group_size, r.algorithm) for r in stats.records}
             leftover.append(sum(st.group.unsharded_bytes_allocated for st in _all_states(model)))
-        results[name] = (losses, full_state(model), [counts, leftover])
+        results[name] = (losses, full_state(model), [counts, leftover, algos])
     return results
 
 
@@ -96,7 +97,7 @@ def _expected_counts(name: str, world: int, micro: int) -> list[tuple[str, int]]
 def test_parity_and_counts(world: int, references) -> None:
     results = run_distributed(_run_cases, world, timeout=600)
     ours = results[0]
-    for name, (losses, state, (counts, leftover)) in ours.items():
+    for name, (losses, state, (counts, leftover, algos)) in ours.items():
         ref_losses, ref_state = references[name]
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) / abs(b) < 1e-5, f"{name} world={world} step {step}: {a} vs {b}"
@@ -108,6 +109,10 @@ def test_parity_and_counts(world: int, references) -> None:
         for step_counts in counts:
             assert sorted(step_counts) == sorted(expected), f"{name} world={world}"
         assert leftover == [0] * STEPS, f"{name}: gathered storage left after a step {leftover}"
+        # gloo: every gather is a p2p exchange; reductions are p2p on 2 ranks, else all-reduce
+        for kind, size, algo in algos:
+            want = "p2p" if kind == "all_gather" or size == 2 else "all_reduce"
+            assert algo == want, f"{name} world={world}: {kind} over {size} ranks ran {algo}"
     # every rank computed the same global losses
     for other in results[1:]:
         for name in ours:
