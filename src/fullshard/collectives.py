@@ -348,9 +348,16 @@ def all_gather(
     me = dist.get_rank(group)
     if rows[me].data_ptr() != input.data_ptr():
         rows[me].copy_(input)
-    recvs = [[row] for row in rows]
-    sends = [[input]] * size
-    return _start("all_gather", "p2p", what, size, sends, recvs, group=group, async_op=async_op)
+    return _gather_p2p([[row] for row in rows], group, what, async_op)
+
+
+def _gather_p2p(
+    pieces: list[list[torch.Tensor]], group: ProcessGroup, what: str, async_op: bool
+) -> Handle:
+    """Send this rank's ``pieces`` to every peer and receive theirs into their ``pieces``."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    sends = [pieces[me]] * size
+    return _start("all_gather", "p2p", what, size, sends, pieces, group=group, async_op=async_op)
 
 
 def all_gather_pieces(
@@ -379,7 +386,7 @@ def all_gather_pieces(
     assert group is not None
     me = dist.get_rank(group)
     _record("all_gather", pieces[me][0], size, "p2p", nbytes=nbytes)
-    return _start("all_gather", "p2p", what, size, [pieces[me]] * size, pieces, group=group)
+    return _gather_p2p(pieces, group, what, True)
 
 
 def reduce_scatter(

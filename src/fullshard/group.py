@@ -500,7 +500,8 @@ class ParamGroup:
         returns the handle and the output shard buffer (``total`` elements)."""
         out = torch.empty(total, dtype=dtype, device=self.device)
         for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
-            out[o + sp.local_numel : o + sp.shard_numel].zero_()
+            if sp.local_numel < sp.shard_numel:
+                out[o + sp.local_numel : o + sp.shard_numel].zero_()
         pieces = [
             [f[r * sp.shard_numel :][: sp.rank_numel(r)] for sp, f in zip(params, flats)]
             for r in range(self.world)

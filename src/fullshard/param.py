@@ -64,7 +64,7 @@ class ShardedParam:
         self.chunk_rows = math.ceil(rows / world)  # rows per rank after tail padding
         self.row_numel = math.prod(param.shape[1:])
         self.shard_numel = self.chunk_rows * self.row_numel  # padded elements per rank
-        self.local_rows = max(0, min(self.chunk_rows, rows - rank * self.chunk_rows))
+        self.local_rows = self.rank_rows(rank)
         self.local_shape = torch.Size((self.local_rows, *param.shape[1:]))
         self.local_numel = self.local_rows * self.row_numel
         self.numel = param.numel()
@@ -95,10 +95,13 @@ class ShardedParam:
         # Unsharded gradient accumulated across micro-steps without sync (in reduce dtype).
         self.unsharded_accum_grad: torch.Tensor | None = None
 
+    def rank_rows(self, rank: int) -> int:
+        """Rows of shard rank ``rank``'s unpadded chunk (``local_rows`` on that rank)."""
+        return max(0, min(self.chunk_rows, self.orig_shape[0] - rank * self.chunk_rows))
+
     def rank_numel(self, rank: int) -> int:
         """Elements of shard rank ``rank``'s unpadded chunk (``local_numel`` on that rank)."""
-        rows = self.orig_shape[0]
-        return max(0, min(self.chunk_rows, rows - rank * self.chunk_rows)) * self.row_numel
+        return self.rank_rows(rank) * self.row_numel
 
     def is_original(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the user's Parameter this ShardedParam was made from."""
