@@ -65,25 +65,25 @@ def build_model(cfg: TrainConfig, *, meta: bool = False) -> nn.Module:
     ctx = _params_on_meta() if meta else contextlib.nullcontext()
     with ctx:
         if cfg.uses_hf:
-            model = hf.build(hf.parse_config(cfg.hf_config))
+            model = hf.build(hf.parse_config(cfg.hf_config_source))
         else:
             model = GPT(gpt_config(cfg))
-    if cfg.hf_weights and not meta:
-        hf.load_weights(model, cfg.hf_weights)
+    if cfg.hf_weights_source and not meta:
+        hf.load_weights(model, cfg.hf_weights_source)
     return model
 
 
 def count_parameters(cfg: TrainConfig) -> int:
     """Unique parameters of ``cfg``'s model (built on meta: free)."""
     with torch.device("meta"):
-        model = hf.build(hf.parse_config(cfg.hf_config)) if cfg.uses_hf else GPT(gpt_config(cfg))
+        model = hf.build(hf.parse_config(cfg.hf_config_source)) if cfg.uses_hf else GPT(gpt_config(cfg))
     return sum(p.numel() for p in model.parameters())
 
 
 def vocab_size_of(cfg: TrainConfig) -> int:
     """Vocabulary size of ``cfg``'s model."""
     if cfg.uses_hf:
-        return hf.vocab_and_context(hf.parse_config(cfg.hf_config))[0]
+        return hf.vocab_and_context(hf.parse_config(cfg.hf_config_source))[0]
     return cfg.vocab_size
 
 
