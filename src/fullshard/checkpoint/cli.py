@@ -1,7 +1,8 @@
 """``fullshard ckpt``: inspect a checkpoint, or export it as one full safetensors model.
 
     fullshard ckpt inspect CKPT [--no-verify]
-    fullshard ckpt export CKPT OUT.safetensors [--dtype bf16] [--max-shard-size 5GB]
+    fullshard ckpt export CKPT OUT.safetensors [--dtype bf16] [--max-shard-size 5GB] [--force]
+    fullshard ckpt export CKPT --hf DIR [--dtype bf16] [--force]     # a loadable model directory
 
 CKPT is a checkpoint directory, a checkpoints root, or a run directory containing
 ``checkpoints/`` (meaning its newest complete checkpoint).
@@ -11,7 +12,9 @@ then assembles, converts and writes one tensor at a time, so its peak memory is 
 largest tensor, not the model. When the model is larger than ``--max-shard-size`` it writes a
 Hugging Face style set (``model-00001-of-00003.safetensors`` ... plus
 ``model.safetensors.index.json``). Tied weights are written under every name so that
-``model.load_state_dict`` accepts the file as is.
+``model.load_state_dict`` accepts the file as is. ``--hf DIR`` writes a model directory
+(config.json, shards + index, tokenizer): see :mod:`fullshard.checkpoint.hf_export`. An
+existing output is refused unless ``--force``.
 """
 
 from __future__ import annotations
@@ -114,14 +117,21 @@ def export(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Write the checkpoint's full model weights to safetensors; return the files written.
 
     Floating-point tensors are cast to ``dtype`` when given. Streams one tensor at a time.
+    An existing ``out`` is refused (:class:`CheckpointError`) unless ``overwrite``.
     """
+    from .hf_export import refuse_overwrite
+
     reader = CheckpointReader(path)
     m = reader.manifest
     out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a directory; give a .safetensors file, or use --hf DIR")
+    refuse_overwrite(out, overwrite)
     # (name in the file, record, stored name); tied names are written as copies
     items = [(k, rec, k) for k, rec in m.model.items()]
     items += [(alias, m.model[src], src) for alias, src in m.model_aliases.items()]
@@ -209,7 +219,19 @@ def main(argv: list[str]) -> int:
     p_inspect.add_argument("--no-verify", action="store_true", help="skip checksum verification")
     p_export = sub.add_parser("export", help="write the full model as safetensors")
     p_export.add_argument("ckpt", help="checkpoint dir, checkpoints root, or run dir")
-    p_export.add_argument("out", help="output file, e.g. model.safetensors")
+    p_export.add_argument("out", nargs="?", help="output file, e.g. model.safetensors")
+    p_export.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write a model directory instead: config.json, safetensors shards + index and the "
+        "run's tokenizer (Hugging Face from_pretrained; fullshard.train.models.load_exported)",
+    )
+    p_export.add_argument("--force", action="store_true", help="overwrite an existing output")
+    p_export.add_argument(
+        "--model-config",
+        metavar="CONFIG.json",
+        help="with --hf, for checkpoints that do not record their model: its HF config.json",
+    )
     p_export.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors")
     p_export.add_argument(
         "--max-shard-size",
@@ -218,19 +240,38 @@ def main(argv: list[str]) -> int:
         help="split into a Hugging Face style sharded set above this size (default 5GB)",
     )
     args = parser.parse_args(argv)
+    if args.command == "export" and (args.out is None) == (args.hf is None):
+        parser.error("export: give an output file OUT.safetensors or --hf DIR (one of them)")
     try:
         if args.command == "inspect":
             return inspect(args.ckpt, verify=not args.no_verify)
-        files = export(
-            args.ckpt,
-            args.out,
-            dtype=_DTYPES[args.dtype] if args.dtype else None,
-            max_shard_size=args.max_shard_size,
-        )
+        dtype = _DTYPES[args.dtype] if args.dtype else None
+        if args.hf is not None:
+            from .hf_export import export_hf
+
+            model = None
+            if args.model_config:
+                model = {"kind": "hf", "config": json.loads(Path(args.model_config).read_text())}
+            files = export_hf(
+                args.ckpt,
+                args.hf,
+                dtype=dtype,
+                max_shard_size=args.max_shard_size,
+                force=args.force,
+                model=model,
+            )
+        else:
+            files = export(
+                args.ckpt,
+                args.out,
+                dtype=dtype,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.force,
+            )
         for f in files:
             print(f"wrote {f} ({f.stat().st_size} bytes)")
         return 0
-    except (CheckpointError, SafetensorsError, OSError) as e:
+    except (CheckpointError, SafetensorsError, OSError, ValueError) as e:
         print(f"fullshard ckpt {args.command}: error: {e}", file=sys.stderr)
         return 2
 

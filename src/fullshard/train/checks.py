@@ -180,8 +180,12 @@ def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
 def _check_data(cfg: TrainConfig) -> tuple[int, int]:
     """Token count and the largest token id + 1 (256 for text)."""
     try:
-        tokens = data_mod.load_tokens(
-            cfg.data, data_dtype=cfg.data_dtype, vocab_size=vocab_size_of(cfg)
+        tokens, _ = data_mod.load_data(
+            cfg.data,
+            data_dtype=cfg.data_dtype,
+            vocab_size=vocab_size_of(cfg),
+            tokenizer=cfg.tokenizer_source,
+            cache_dir=Path(cfg.resolved_run_dir()) / "data_cache",
         )
         source = data_mod.describe_source(cfg.data)
         data_mod.check_size(
@@ -205,6 +209,13 @@ def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) ->
         raise ConfigError(f"--nproc must be at least 1 (0 means automatic), got {world_size}")
     _check_device(cfg, world_size)
     _check_batch(cfg, world_size)
+    if cfg.tensorboard:
+        from fullshard.train.metrics import tensorboard_writer_class
+
+        try:
+            tensorboard_writer_class()
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
     n_tokens, data_vocab = _check_data(cfg)
     n_params = _check_model(cfg, world_size, data_vocab)
     _check_run_dir(cfg, fresh_launch=fresh_launch)
