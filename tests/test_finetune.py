@@ -25,13 +25,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-import hf_local  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from fullshard.train import data as data_mod  # noqa: E402
-from fullshard.train.metrics import read_metrics  # noqa: E402
-from fullshard.train.tokenized import cached_stream, encode_record, read_records  # noqa: E402
+import hf_local
+from fullshard.train import data as data_mod
+from fullshard.train.metrics import read_metrics
+from fullshard.train.tokenized import cached_stream, encode_record, read_records
 
 STEPS, CKPT_EVERY, SEQ = 8, 4, 64
 
