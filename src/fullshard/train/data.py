@@ -132,7 +132,7 @@ def load_data(
     With ``tokenizer`` (a local tokenizer directory) the text of ``data`` is tokenized, or read
     from ``cache_dir``; otherwise :func:`load_tokens`.
     """
-    if tokenizer:
+    if tokenizer and Path(data).suffix != ".bin":  # a .bin is tokenized already
         from fullshard.train.tokenized import cached_stream
 
         tokens, mask, _ = cached_stream(data, tokenizer, cache_dir)
