@@ -116,13 +116,14 @@ def test_chat_records_learn_only_assistant_tokens(hf_dir: Path, tmp_path: Path) 
 
 @pytest.fixture(scope="module")
 def finetuned(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Fine-tune 8 steps on 2 ranks; then drop the last checkpoint and rerun (resume at 4)."""
+    """Fine-tune 8 steps on 2 ranks (meta init: each rank reads only its rows of the weights);
+    then drop the last checkpoint and rerun with the default init (resuming at step 4)."""
     root = tmp_path_factory.mktemp("ft")
     hf_local.write_chat_jsonl(root / "chat.jsonl", 400)
     args = ["train", "--preset", "tiny", "--hf-model", str(hf_dir), "--data", "chat.jsonl"]
     args += ["--max-steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--eval-every", "4"]
     args += ["--seq-len", str(SEQ), "--sample-tokens", "5", "--tensorboard", "--run-dir", "run"]
-    first = _fullshard(*args, cwd=root)
+    first = _fullshard(*args, "--init", "meta", cwd=root)  # weights read shard by shard
     assert first.returncode == 0, first.stdout + first.stderr
     run = root / "run"
     losses = {
@@ -153,6 +154,19 @@ def test_finetune_starts_from_the_pretrained_weights_and_learns(
     assert losses[1] == pytest.approx(expected, rel=1e-5)
     assert (run / "tokenizer" / "tokenizer.json").is_file()
     assert len(list((run / "data_cache").glob("*.tokens.npy"))) == 1  # tokenized once
+
+
+def test_hf_model_weights_load_when_built_whole(hf_dir: Path) -> None:
+    """--init cpu (the default below 1B parameters) loads --hf-model's weights before sharding."""
+    from transformers import AutoModelForCausalLM
+
+    from fullshard.train.config import TrainConfig
+    from fullshard.train.models import build_model
+
+    built = build_model(TrainConfig(preset="tiny", hf_model=str(hf_dir))).state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).state_dict()
+    assert built.keys() == saved.keys()
+    assert all(torch.equal(built[k], saved[k]) for k in saved)
 
 
 def test_finetune_resumes_mid_epoch_exactly(finetuned: dict[str, Any], hf_dir: Path) -> None:

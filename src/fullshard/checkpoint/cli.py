@@ -7,22 +7,18 @@
 CKPT is a checkpoint directory, a checkpoints root, or a run directory containing
 ``checkpoints/`` (meaning its newest complete checkpoint).
 
-Export streams: it writes the safetensors header first (every shape is known from the manifest),
-then assembles, converts and writes one tensor at a time, so its peak memory is about the
+Export streams (see :mod:`fullshard.checkpoint.export`): its peak memory is about the
 largest tensor, not the model. When the model is larger than ``--max-shard-size`` it writes a
 Hugging Face style set (``model-00001-of-00003.safetensors`` ... plus
 ``model.safetensors.index.json``). Tied weights are written under every name so that
 ``model.load_state_dict`` accepts the file as is. ``--hf DIR`` writes a model directory
-(config.json, shards + index, tokenizer): see :mod:`fullshard.checkpoint.hf_export`. An
-existing output is refused unless ``--force``.
+(config.json, shards + index, tokenizer). An existing output is refused unless ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -30,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from .export import export, export_hf
 from .manifest import CheckpointError, TensorRecord
 from .reader import CheckpointReader
-from .safetensors_io import SafetensorsError, tensor_bytes, write_header
+from .safetensors_io import SafetensorsError
 
 __all__ = ["export", "inspect", "main"]
 
@@ -111,105 +108,6 @@ def _dtype_name(rec: TensorRecord) -> str:
     return str(rec.dtype).removeprefix("torch.")
 
 
-def export(
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype | None = None,
-    max_shard_size: int = 5 * 10**9,
-    overwrite: bool = False,
-) -> list[Path]:
-    """Write the checkpoint's full model weights to safetensors; return the files written.
-
-    Floating-point tensors are cast to ``dtype`` when given. Streams one tensor at a time.
-    An existing ``out`` is refused (:class:`CheckpointError`) unless ``overwrite``.
-    """
-    from .hf_export import refuse_overwrite
-
-    reader = CheckpointReader(path)
-    m = reader.manifest
-    out = Path(out)
-    if out.is_dir():
-        raise CheckpointError(f"{out} is a directory; give a .safetensors file, or use --hf DIR")
-    refuse_overwrite(out, overwrite)
-    # (name in the file, record, stored name); tied names are written as copies
-    items = [(k, rec, k) for k, rec in m.model.items()]
-    items += [(alias, m.model[src], src) for alias, src in m.model_aliases.items()]
-
-    def out_dtype(rec: TensorRecord) -> torch.dtype:
-        return dtype if dtype is not None and rec.dtype.is_floating_point else rec.dtype
-
-    def out_bytes(rec: TensorRecord) -> int:
-        return rec.nbytes // rec.dtype.itemsize * out_dtype(rec).itemsize
-
-    groups: list[list[tuple[str, TensorRecord, str]]] = [[]]
-    size = 0
-    for item in items:
-        n = out_bytes(item[1])
-        if groups[-1] and size + n > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
-    if len(groups) == 1:
-        names = [out]
-    else:
-        stem = out.name.removesuffix(".safetensors")
-        names = [
-            out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
-            for i in range(len(groups))
-        ]
-    for name in m.files:  # sizes, header checksums, dtypes, shapes: fail before writing
-        reader.check_file(name)
-    # Two buffers reused for every tensor (read, and cast when --dtype changes it): allocating
-    # and freeing one per tensor lets malloc keep freed blocks and RSS creep past one tensor.
-    read_buf = torch.empty(max((r.nbytes for _, r, _ in items), default=0), dtype=torch.uint8)
-    cast_buf = torch.empty(
-        max((out_bytes(r) for _, r, _ in items if out_dtype(r) != r.dtype), default=0),
-        dtype=torch.uint8,
-    )
-    made_dir = not out.parent.exists()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    try:
-        for target, group in zip(names, groups):
-            tmp = target.with_name(target.name + ".tmp")
-            written.append(tmp)
-            with open(tmp, "wb") as f:
-                entries = [(k, out_dtype(r), r.shape) for k, r, _ in group]
-                write_header(f, entries, {"format": "pt"})
-                for _, rec, src in group:
-                    buf = _view(read_buf, rec.dtype, rec.shape)
-                    t = reader.read_full(rec, f"model/{src}", buf)
-                    if out_dtype(rec) != rec.dtype:
-                        t = _view(cast_buf, out_dtype(rec), rec.shape).copy_(t)
-                    f.write(tensor_bytes(t))
-            os.replace(tmp, target)
-            written[-1] = target
-    except BaseException:  # e.g. a corrupted block found mid-stream: leave nothing behind
-        for path in written:
-            path.unlink(missing_ok=True)
-        if made_dir:
-            with contextlib.suppress(OSError):
-                out.parent.rmdir()
-        raise
-    if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(out_bytes(r) for _, r, _ in items)},
-            "weight_map": {k: names[i].name for i, g in enumerate(groups) for k, _, _ in g},
-        }
-        index_path = out.with_name(out.name + ".index.json")
-        index_path.write_text(json.dumps(index, indent=2))
-        return [*names, index_path]
-    return names
-
-
-def _view(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The first bytes of the uint8 ``buf`` as a contiguous ``dtype`` tensor of ``shape``."""
-    n = math.prod(shape) * dtype.itemsize
-    return buf[:n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
-
-
 def main(argv: list[str]) -> int:
     """Entry point of ``fullshard ckpt``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="fullshard ckpt", description=__doc__.split("\n\n")[0])
@@ -247,8 +145,6 @@ def main(argv: list[str]) -> int:
             return inspect(args.ckpt, verify=not args.no_verify)
         dtype = _DTYPES[args.dtype] if args.dtype else None
         if args.hf is not None:
-            from .hf_export import export_hf
-
             model = None
             if args.model_config:
                 model = {"kind": "hf", "config": json.loads(Path(args.model_config).read_text())}

@@ -234,6 +234,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     if meta:
         torch.manual_seed(cfg.seed)
         materialize(model, env.device)
+        if cfg.hf_weights_source:  # built on meta, so not loaded yet: each rank reads its rows
+            ckpt.load_full_state_dict_from_file(model, cfg.hf_weights_source)
     model_description = describe(model)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)

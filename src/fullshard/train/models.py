@@ -201,7 +201,7 @@ def load_exported(path: str | os.PathLike[str]) -> nn.Module:
     """
     from safetensors.torch import load_file
 
-    from fullshard.checkpoint.hf_export import GPT_MODEL_TYPE
+    from fullshard.checkpoint.export import GPT_MODEL_TYPE
 
     root = Path(path)
     config_path = root / "config.json"

@@ -1,7 +1,12 @@
-"""``fullshard ckpt export CKPT --hf DIR``: a checkpoint as a loadable model directory.
+"""Export a checkpoint's full model: one safetensors file (or a sharded set), or a model directory.
 
-The directory holds ``config.json``, the weights as safetensors shards with
-``model.safetensors.index.json``, and the run's tokenizer files when it had a tokenizer:
+:func:`export` streams: it writes the safetensors header first (every shape is known from the
+manifest), then assembles, converts and writes one tensor at a time, so its peak memory is about
+the largest tensor, not the model.
+
+:func:`export_hf` (``fullshard ckpt export CKPT --hf DIR``) writes a model directory holding
+``config.json``, the weights as safetensors shards with ``model.safetensors.index.json``, and
+the run's tokenizer files when it had a tokenizer:
 
 - a Hugging Face causal LM (trained with ``--hf-config`` / ``--hf-model``) loads with
   ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``;
@@ -17,7 +22,9 @@ code can pass the description as ``model=`` (the CLI's ``--model-config config.j
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -25,10 +32,11 @@ from typing import Any
 
 import torch
 
-from .manifest import CheckpointError
+from .manifest import CheckpointError, TensorRecord
 from .reader import CheckpointReader
+from .safetensors_io import tensor_bytes, write_header
 
-__all__ = ["GPT_MODEL_TYPE", "export_hf", "refuse_overwrite"]
+__all__ = ["GPT_MODEL_TYPE", "export", "export_hf", "refuse_overwrite"]
 
 #: ``model_type`` of an exported fullshard GPT's config.json.
 GPT_MODEL_TYPE = "fullshard_gpt"
@@ -42,6 +50,103 @@ def refuse_overwrite(out: Path, force: bool) -> None:
         raise CheckpointError(
             f"{out} already exists; pass --force to overwrite it, or pick another output"
         )
+
+
+def export(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write the checkpoint's full model weights to safetensors; return the files written.
+
+    Floating-point tensors are cast to ``dtype`` when given. Streams one tensor at a time.
+    An existing ``out`` is refused (:class:`CheckpointError`) unless ``overwrite``.
+    """
+    reader = CheckpointReader(path)
+    m = reader.manifest
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a directory; give a .safetensors file, or use --hf DIR")
+    refuse_overwrite(out, overwrite)
+    # (name in the file, record, stored name); tied names are written as copies
+    items = [(k, rec, k) for k, rec in m.model.items()]
+    items += [(alias, m.model[src], src) for alias, src in m.model_aliases.items()]
+
+    def out_dtype(rec: TensorRecord) -> torch.dtype:
+        return dtype if dtype is not None and rec.dtype.is_floating_point else rec.dtype
+
+    def out_bytes(rec: TensorRecord) -> int:
+        return rec.nbytes // rec.dtype.itemsize * out_dtype(rec).itemsize
+
+    groups: list[list[tuple[str, TensorRecord, str]]] = [[]]
+    size = 0
+    for item in items:
+        n = out_bytes(item[1])
+        if groups[-1] and size + n > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    if len(groups) == 1:
+        names = [out]
+    else:
+        stem = out.name.removesuffix(".safetensors")
+        names = [
+            out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
+            for i in range(len(groups))
+        ]
+    for name in m.files:  # sizes, header checksums, dtypes, shapes: fail before writing
+        reader.check_file(name)
+    # Two buffers reused for every tensor (read, and cast when --dtype changes it): allocating
+    # and freeing one per tensor lets malloc keep freed blocks and RSS creep past one tensor.
+    read_buf = torch.empty(max((r.nbytes for _, r, _ in items), default=0), dtype=torch.uint8)
+    cast_buf = torch.empty(
+        max((out_bytes(r) for _, r, _ in items if out_dtype(r) != r.dtype), default=0),
+        dtype=torch.uint8,
+    )
+    made_dir = not out.parent.exists()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        for target, group in zip(names, groups):
+            tmp = target.with_name(target.name + ".tmp")
+            written.append(tmp)
+            with open(tmp, "wb") as f:
+                entries = [(k, out_dtype(r), r.shape) for k, r, _ in group]
+                write_header(f, entries, {"format": "pt"})
+                for _, rec, src in group:
+                    buf = _view(read_buf, rec.dtype, rec.shape)
+                    t = reader.read_full(rec, f"model/{src}", buf)
+                    if out_dtype(rec) != rec.dtype:
+                        t = _view(cast_buf, out_dtype(rec), rec.shape).copy_(t)
+                    f.write(tensor_bytes(t))
+            os.replace(tmp, target)
+            written[-1] = target
+    except BaseException:  # e.g. a corrupted block found mid-stream: leave nothing behind
+        for path in written:
+            path.unlink(missing_ok=True)
+        if made_dir:
+            with contextlib.suppress(OSError):
+                out.parent.rmdir()
+        raise
+    if len(groups) > 1:
+        index = {
+            "metadata": {"total_size": sum(out_bytes(r) for _, r, _ in items)},
+            "weight_map": {k: names[i].name for i, g in enumerate(groups) for k, _, _ in g},
+        }
+        index_path = out.with_name(out.name + ".index.json")
+        index_path.write_text(json.dumps(index, indent=2))
+        return [*names, index_path]
+    return names
+
+
+def _view(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first bytes of the uint8 ``buf`` as a contiguous ``dtype`` tensor of ``shape``."""
+    n = math.prod(shape) * dtype.itemsize
+    return buf[:n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
 
 
 def _model_description(reader: CheckpointReader, model: dict[str, Any] | None) -> dict[str, Any]:
@@ -89,8 +194,6 @@ def export_hf(
     non-empty ``out_dir`` is refused. ``model`` describes the model when the checkpoint does
     not (``{"kind": "hf", "config": {...}}``).
     """
-    from .cli import export  # the streaming writer; cli imports nothing from here at load
-
     reader = CheckpointReader(path)
     desc = _model_description(reader, model)
     out = Path(out_dir)
