@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,8 +125,9 @@ class PlanSpec:
 
     model: GPTConfig | None = None
     """A fullshard GPT; or ``hf_config``."""
-    hf_config: str | None = None
-    """Path to a Hugging Face ``config.json`` (or its folder): a causal LM built from it."""
+    hf_config: Any = None
+    """A Hugging Face causal LM: a ``transformers`` ``PretrainedConfig``, or the path of a
+    local ``config.json`` (or its folder). Never downloaded."""
     world_size: int
     mesh: tuple[int, int] | None = None
     """(replicate, shard) for HSDP; ``None`` = shard over all ranks."""
@@ -250,7 +252,9 @@ def build_model(spec: PlanSpec) -> nn.Module:
         return GPT(spec.model)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(str(spec.hf_config))
+    cfg = spec.hf_config
+    if isinstance(cfg, (str, os.PathLike)):
+        cfg = AutoConfig.from_pretrained(str(cfg), local_files_only=True)
     return AutoModelForCausalLM.from_config(cfg)
 
 

@@ -68,7 +68,7 @@ def _check_host_memory(cfg: TrainConfig, world: int, n_params: int, vocab: int) 
     """
     hidden, layers = cfg.d_model, cfg.n_layer
     if cfg.uses_hf:
-        hf_cfg = hf.make_config(hf.parse_config(cfg.hf_config))
+        hf_cfg = hf.make_config(hf.parse_config(cfg.hf_config_source))
         hidden = int(getattr(hf_cfg, "hidden_size", 0) or getattr(hf_cfg, "n_embd", 0) or hidden)
         layers = int(
             getattr(hf_cfg, "num_hidden_layers", 0) or getattr(hf_cfg, "n_layer", 0) or layers
@@ -148,7 +148,7 @@ def _check_device(cfg: TrainConfig, world: int) -> None:
 def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
     if cfg.uses_hf:
         try:
-            vocab, context = hf.vocab_and_context(hf.parse_config(cfg.hf_config))
+            vocab, context = hf.vocab_and_context(hf.parse_config(cfg.hf_config_source))
         except hf.HFError as e:
             raise ConfigError(str(e)) from None
         if context is not None and context < cfg.seq_len:
@@ -158,6 +158,12 @@ def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
             )
         if cfg.hf_weights and not Path(cfg.hf_weights).expanduser().exists():
             raise ConfigError(f"--hf-weights: {cfg.hf_weights!r} does not exist")
+        if cfg.hf_model and not any(Path(cfg.hf_model).expanduser().glob("*.safetensors")):
+            raise ConfigError(
+                f"--hf-model {cfg.hf_model}: no *.safetensors weights there; save the model "
+                "with save_pretrained(DIR) (safe_serialization), or use --hf-config for a "
+                "randomly initialised one"
+            )
     else:
         vocab = cfg.vocab_size
     if data_vocab > vocab:
@@ -174,8 +180,12 @@ def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
 def _check_data(cfg: TrainConfig) -> tuple[int, int]:
     """Token count and the largest token id + 1 (256 for text)."""
     try:
-        tokens = data_mod.load_tokens(
-            cfg.data, data_dtype=cfg.data_dtype, vocab_size=vocab_size_of(cfg)
+        tokens, _ = data_mod.load_data(
+            cfg.data,
+            data_dtype=cfg.data_dtype,
+            vocab_size=vocab_size_of(cfg),
+            tokenizer=cfg.tokenizer_source,
+            cache_dir=Path(cfg.resolved_run_dir()) / "data_cache",
         )
         source = data_mod.describe_source(cfg.data)
         data_mod.check_size(
@@ -199,6 +209,13 @@ def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) ->
         raise ConfigError(f"--nproc must be at least 1 (0 means automatic), got {world_size}")
     _check_device(cfg, world_size)
     _check_batch(cfg, world_size)
+    if cfg.tensorboard:
+        from fullshard.train.metrics import tensorboard_writer_class
+
+        try:
+            tensorboard_writer_class()
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
     n_tokens, data_vocab = _check_data(cfg)
     n_params = _check_model(cfg, world_size, data_vocab)
     _check_run_dir(cfg, fresh_launch=fresh_launch)

@@ -46,6 +46,8 @@ _METAVARS = {
     "data": "PATH",
     "hf_config": "PATH_OR_JSON",
     "hf_weights": "PATH",
+    "hf_model": "DIR",
+    "tokenizer": "DIR",
     "resume": "{auto,never,PATH}",
     "sample_prompt": "TEXT",
 }
@@ -60,6 +62,7 @@ examples:
   fullshard train --hf-config '{"model_type": "llama", "hidden_size": 64, "intermediate_size":
       128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
       "vocab_size": 256}' --max-steps 50
+  fullshard train --hf-model ./my-llama --data chat.jsonl --lr 2e-5 --tensorboard
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       --rdzv-id myrun -m fullshard.train.worker --preset gpt2-124m --run-dir /shared/runs/g
 """

@@ -82,6 +82,10 @@ class TrainConfig:
     holding one, or inline JSON with a model_type (e.g. '{"model_type": "llama", ...}')."""
     hf_weights: str = ""
     """Local pretrained weights for --hf-config: a .safetensors file or a directory of them."""
+    hf_model: str = ""
+    """Fine-tune a local Hugging Face model directory (config.json, *.safetensors and, if
+    there, its tokenizer), as written by save_pretrained; nothing is downloaded. Sets the
+    model, its weights and --tokenizer at once."""
     init: Literal["auto", "cpu", "meta"] = "auto"
     """Where parameters are initialised: cpu (each rank builds the full model, then shards it:
     identical at every world size), meta (shard first, initialise shards: for models too big
@@ -90,7 +94,12 @@ class TrainConfig:
     # ---- data
     data: str = ""
     """Training data: a text file, a folder of text files, or a pre-tokenized .bin of uint16/
-    uint32 tokens. Empty: the Python standard library's own source (no download)."""
+    uint32 tokens, .jsonl or .parquet records (with a tokenizer). Empty: the Python standard
+    library's own source (no download)."""
+    tokenizer: str = ""
+    """A local Hugging Face tokenizer directory: --data text (.txt, .jsonl with a text field or
+    chat messages, .parquet) is tokenized with it once, cached in the run directory. Default:
+    --hf-model's own tokenizer, else bytes as tokens."""
     data_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Token dtype of a .bin file; auto is uint16 when the vocabulary fits, else uint32."""
     eval_fraction: float = 0.02
@@ -145,6 +154,9 @@ class TrainConfig:
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint of this run (if any); never: start
     fresh (refused when the run directory already has checkpoints); or a checkpoint PATH."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into the run directory (needs the tensorboard
+    package: pip install 'fullshard[tensorboard]'); view with tensorboard --logdir runs."""
     log_every: int = 10
     """Print a log line every this many steps when output is not a terminal."""
     progress: Literal["auto", "bar", "plain"] = "auto"
@@ -174,13 +186,17 @@ class TrainConfig:
         for name in ("min_lr_ratio", "beta1", "beta2"):
             _require(self, name, 0.0 <= getattr(self, name) <= 1.0, "between 0 and 1")
         _require(self, "eval_fraction", 0.0 <= self.eval_fraction < 1.0, "in [0, 1)")
-        if self.hf_config == "" and self.d_model % self.n_head != 0:
+        if not self.uses_hf and self.d_model % self.n_head != 0:
             raise ConfigError(
                 f"--d-model ({self.d_model}) must be divisible by --n-head ({self.n_head}); "
                 f"pick e.g. --n-head {math.gcd(self.d_model, self.n_head)}"
             )
         if self.hf_weights and not self.hf_config:
             raise ConfigError("--hf-weights needs --hf-config (the model the weights belong to)")
+        if self.hf_model and self.hf_config:
+            raise ConfigError(
+                "--hf-model already names the model (its config.json); drop --hf-config"
+            )
         if self.resume == "":
             raise ConfigError("--resume must be auto, never or a checkpoint path, got ''")
         for name, value in _choices_of_literals().items():
@@ -191,8 +207,28 @@ class TrainConfig:
 
     @property
     def uses_hf(self) -> bool:
-        """Whether the model is a Hugging Face causal LM (``--hf-config``)."""
-        return bool(self.hf_config)
+        """Whether the model is a Hugging Face causal LM (``--hf-config`` or ``--hf-model``)."""
+        return bool(self.hf_config or self.hf_model)
+
+    @property
+    def hf_config_source(self) -> str:
+        """Where the Hugging Face config comes from: ``--hf-config``, else ``--hf-model``."""
+        return self.hf_config or self.hf_model
+
+    @property
+    def hf_weights_source(self) -> str:
+        """Local pretrained weights: ``--hf-weights``, else ``--hf-model``'s (or none)."""
+        return self.hf_weights or self.hf_model
+
+    @property
+    def tokenizer_source(self) -> str:
+        """The tokenizer directory: ``--tokenizer``, else ``--hf-model`` when it has one."""
+        if self.tokenizer or not self.hf_model:
+            return self.tokenizer
+        from pathlib import Path
+
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        return self.hf_model if any((Path(self.hf_model) / n).exists() for n in names) else ""
 
     def resolved_name(self) -> str:
         """The run name: ``--name``, else the preset's."""

@@ -36,6 +36,7 @@ from fullshard.train.metrics import MetricsLog, Progress, plot
 from fullshard.train.models import (
     META_INIT_THRESHOLD,
     build_model,
+    describe,
     generate,
     logits_of,
     materialize,
@@ -152,19 +153,21 @@ def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env
     mine = starts.reshape(cfg.eval_batches, cfg.global_batch)[
         :, data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
     ].reshape(-1)
-    total = torch.zeros(2, dtype=torch.float64, device=env.device)  # [sum of losses, count]
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)  # [sum of losses, targets]
     model.eval()
     with torch.no_grad():
         for i in range(0, len(mine), cfg.micro_batch):
-            batch = data_mod.gather_windows(data.eval, mine[i : i + cfg.micro_batch], cfg.seq_len)
-            batch = batch.to(env.device)
-            logits = logits_of(model, batch[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            total[0] += loss.double() * len(batch)
-            total[1] += len(batch)
+            inputs, targets = data_mod.gather_batch(
+                data.eval, data.eval_mask, mine[i : i + cfg.micro_batch], cfg.seq_len
+            )
+            logits = logits_of(model, inputs.to(env.device))
+            targets = targets.to(env.device).flatten()
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum")
+            total[0] += loss.double()
+            total[1] += int((targets != data_mod.IGNORE_INDEX).sum())
     model.train()
     dist.all_reduce(total)
-    return float(total[0] / total[1])
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def _grad_norm_and_clip(model: nn.Module, max_norm: float, unscale: float) -> float:
@@ -188,10 +191,23 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     probe = ResourceProbe(rank=env.rank, run_dir=run_dir)
 
     # ---- data
-    tokens = data_mod.load_tokens(cfg.data, data_dtype=cfg.data_dtype, vocab_size=cfg.vocab_size)
-    data = data_mod.TokenData.split(
-        tokens, cfg.eval_fraction, byte_level=tokens.dtype.itemsize == 1
+    tokens, mask = data_mod.load_data(
+        cfg.data,
+        data_dtype=cfg.data_dtype,
+        vocab_size=cfg.vocab_size,
+        tokenizer=cfg.tokenizer_source,
+        cache_dir=run_dir / "data_cache",
     )
+    data = data_mod.TokenData.split(
+        tokens, cfg.eval_fraction, byte_level=tokens.dtype.itemsize == 1, mask=mask
+    )
+    tokenizer = None
+    if cfg.tokenizer_source:
+        from fullshard.train.tokenized import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer_source)
+        if env.is_main:  # beside the checkpoints, for fullshard ckpt export --hf
+            tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     sampler = data_mod.Sampler(
         len(data.train), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed
     )
@@ -218,6 +234,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     if meta:
         torch.manual_seed(cfg.seed)
         materialize(model, env.device)
+        if cfg.hf_weights_source:  # built on meta, so not loaded yet: each rank reads its rows
+            ckpt.load_full_state_dict_from_file(model, cfg.hf_weights_source)
+    model_description = describe(model)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
     )
@@ -245,7 +264,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     if start_step >= cfg.max_steps:
         say(f"already trained to step {start_step}; raise --max-steps to train further")
 
-    log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step) if env.is_main else None
+    log = (
+        MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step, tensorboard=cfg.tensorboard)
+        if env.is_main
+        else None
+    )
     if log:
         log.write(
             "start",
@@ -279,6 +302,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             "scaler": scaler.state_dict(),
             "world_size": env.world_size,
             "skipped_steps": skipped_total,
+            "model": model_description,  # what fullshard ckpt export --hf writes as config.json
         }
         # overwrite: after an elastic restart the group may redo (and re-save) a step.
         with faults.saving(at):
@@ -306,15 +330,25 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         mine_rows = data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
-        starts = sampler.next_batch()[mine_rows]
-        batch = data_mod.gather_windows(data.train, starts, cfg.seq_len).to(env.device)
+        global_starts = sampler.next_batch()
+        # [Note: loss over the global batch] the mean over every learned target of the global
+        # batch (each rank can count them: it knows every start), so masked targets and the
+        # number of ranks do not change the math; x world size undoes the gradient averaging.
+        n_targets = data_mod.count_targets(data.train_mask, global_starts, cfg.seq_len)
+        weight = env.world_size / max(n_targets, 1)
+        inputs, targets = data_mod.gather_batch(
+            data.train, data.train_mask, global_starts[mine_rows], cfg.seq_len
+        )
+        inputs, targets = inputs.to(env.device), targets.to(env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
-            micro = batch[i * cfg.micro_batch : (i + 1) * cfg.micro_batch]
+            rows = slice(i * cfg.micro_batch, (i + 1) * cfg.micro_batch)
             model.set_requires_gradient_sync(i == accum - 1)  # type: ignore[operator]
-            logits = logits_of(model, micro[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
-            (loss * (scaler.scale / accum)).backward()
+            logits = logits_of(model, inputs[rows])
+            loss = weight * F.cross_entropy(
+                logits.float().flatten(0, 1), targets[rows].flatten(), reduction="sum"
+            )
+            (loss * scaler.scale).backward()
             loss_sum += loss.detach()
         faults.after_backward(step, model)
         grad_norm = _grad_norm_and_clip(model, cfg.grad_clip, 1.0 / scaler.scale)
@@ -331,7 +365,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         over_budget = env.is_main and 0 < cfg.time_budget < time.monotonic() - t_start
         wants_stop = 2.0 if stop.signal is not None else 1.0 if over_budget else 0.0
         mine = torch.tensor(
-            [float(loss_sum) / accum, _peak_mem_mib(env.device), wants_stop, _rss_mib()],
+            [float(loss_sum), _peak_mem_mib(env.device), wants_stop, _rss_mib()],
             dtype=torch.float64,
             device=env.device,
         )
@@ -393,7 +427,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             log.write("eval", step=step, loss=eval_loss)
             progress.line(f"step {step}: eval loss {eval_loss:.4f}")
     if reason == "done" and cfg.sample_tokens:
-        _print_sample(model, cfg, data, env)
+        _print_sample(model, cfg, data, env, tokenizer)
     if log:
         log.write(
             "stop",
@@ -422,9 +456,12 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
 
 
 def _print_sample(
-    model: nn.Module, cfg: TrainConfig, data: data_mod.TokenData, env: DistEnv
+    model: nn.Module, cfg: TrainConfig, data: data_mod.TokenData, env: DistEnv, tokenizer: Any
 ) -> None:
-    prompt = list(cfg.sample_prompt.encode()) if data.byte_level else []
+    if tokenizer is not None:
+        prompt = list(tokenizer(cfg.sample_prompt)["input_ids"])
+    else:
+        prompt = list(cfg.sample_prompt.encode()) if data.byte_level else []
     model.eval()
     out = generate(
         model,
@@ -438,7 +475,9 @@ def _print_sample(
     )
     model.train()
     if env.is_main:
-        if data.byte_level:
+        if tokenizer is not None:
+            text = str(tokenizer.decode(prompt + out))
+        elif data.byte_level:
             text = bytes(prompt + out).decode("utf-8", errors="replace")
         else:
             text = " ".join(map(str, out))
