@@ -162,8 +162,7 @@ def optimizer_state_dict(
         fqns = [fqn_of.get(id(p), "<not in model>") for p in group["params"]]
         if set(fqns) != set(saved["params"]):
             raise CheckpointMismatchError(
-                f"{where}: optimizer param group {gi} holds other parameters than the "
-                "optimizer's",
+                f"{where}: optimizer param group {gi} holds other parameters than the optimizer's",
                 "Build the model and optimizer the checkpoint was saved from",
                 missing=sorted(set(fqns) - set(saved["params"])),
                 unexpected=sorted(set(saved["params"]) - set(fqns)),

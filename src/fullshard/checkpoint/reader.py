@@ -52,7 +52,9 @@ class CheckpointReader:
         mpath = self.path / MANIFEST_NAME
         size = mpath.stat().st_size
         if size > MAX_MANIFEST_BYTES:
-            raise CheckpointCorruptedError(f"{mpath} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
+            raise CheckpointCorruptedError(
+                f"{mpath} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
+            )
         try:
             self.manifest: Manifest = parse_manifest(mpath.read_bytes(), str(mpath))
         except CheckpointError as e:

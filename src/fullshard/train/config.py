@@ -367,4 +367,3 @@ def _toml_type_problem(hint: Any, value: Any) -> str:
     if kind is hint or (hint is float and kind is int):
         return ""
     return _TOML_KINDS.get(hint, str(hint))
-

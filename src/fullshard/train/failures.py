@@ -82,8 +82,12 @@ def log_dir(run_dir: Path) -> Path:
 
 
 def _one_line(text: str) -> str:
+    """``text`` on one line; a long one keeps its start (the cause) and end (often the fix)."""
     line = " ".join(text.split())
-    return line if len(line) <= _MAX_MESSAGE else line[: _MAX_MESSAGE - 3] + "..."
+    if len(line) <= _MAX_MESSAGE:
+        return line
+    half = (_MAX_MESSAGE - 5) // 2
+    return f"{line[:half]} ... {line[-half:]}"
 
 
 def _os_error(e: OSError, fix: str) -> str:

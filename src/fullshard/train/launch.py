@@ -27,7 +27,6 @@ from fullshard.train import failures
 from fullshard.train.failures import LAUNCHER_ENV
 from fullshard.train.metrics import read_metrics
 
-
 __all__ = ["launch", "package_root"]
 
 
