@@ -53,6 +53,8 @@ ATTEMPT_ENV = "FULLSHARD_ATTEMPT"  # set by the launcher: how many times it rest
 LAUNCHER_ENV = "FULLSHARD_LOCAL_LAUNCH"  # set by `fullshard train` for the ranks it launches
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
+# A collective that fails with one of these lost a peer that had died: a consequence.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
 _MAX_MESSAGE = 600  # characters: a message is one line on a terminal, give or take
 
 
@@ -139,7 +141,9 @@ def classify(exc: BaseException) -> Failure:
         return Failure(_one_line(_os_error(exc, fix)), fatal=True)
     if isinstance(exc, RuntimeError) and "failed on another rank" in str(exc):
         return Failure(_one_line(str(exc)), fatal=False, secondary=True)  # see saving._step
-    return Failure(_one_line(f"{type(exc).__name__}: {exc}"), fatal=False)
+    message = _one_line(f"{type(exc).__name__}: {exc}")
+    lost_peer = any(s in message.lower() for s in _PEER_GONE)
+    return Failure(message, fatal=False, secondary=lost_peer)
 
 
 def rank_failed(exc: BaseException, *, run_dir: Path, rank: int, launched: bool) -> int:

@@ -139,8 +139,9 @@ def _run_group(
 
 
 def _cause(e: Any, run_dir: Path, since: float) -> tuple[bool, str]:
-    """Why the group failed: a deterministic failure on any rank wins; else a rank that was
-    killed (the others then fail on its closed connections), else a rank's recorded error."""
+    """Why the group failed: a deterministic failure on any rank wins; else the first rank's
+    own error (not one caused by a lost peer), else a rank that was killed (the others then
+    fail on its closed connections), else whatever was recorded."""
     records = failures.read_failures(run_dir, since)
     primary = [r for r in records if not r.get("secondary")]
     for rec in primary:
@@ -149,12 +150,13 @@ def _cause(e: Any, run_dir: Path, since: float) -> tuple[bool, str]:
     codes: dict[int, int] = {rank: f.exitcode for rank, f in e.failures.items()}
     if any(code in (2, failures.FATAL_EXIT) for code in codes.values()):  # 2: a refused config
         return True, "a rank refused to continue (its message is above)"
+    for rec in primary:
+        return False, f"rank {rec['rank']} failed: {rec['message']}"
     killed = sorted(rank for rank, code in codes.items() if code < 0)
     if killed:
         return False, failures.describe_exit(killed[0], codes[killed[0]])
-    for rec in primary:
-        if rec.get("rank") in codes:
-            return False, f"rank {rec['rank']} failed: {rec['message']}"
+    for rec in records:
+        return False, f"rank {rec['rank']} failed: {rec['message']}"
     rank, first = e.get_first_failure()
     return False, failures.describe_exit(rank, first.exitcode)
 
