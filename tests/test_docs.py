@@ -39,7 +39,10 @@ def _readme_train_section() -> str:
 
 
 def _docs() -> dict[str, str]:
-    return {"README.md": _readme_train_section(), "docs/train.md": (ROOT / "docs/train.md").read_text()}
+    return {
+        "README.md": _readme_train_section(),
+        "docs/train.md": (ROOT / "docs/train.md").read_text(),
+    }
 
 
 def _commands(text: str) -> list[tuple[str, list[str], str]]:
@@ -106,7 +109,9 @@ def test_every_documented_command_passes_its_checks_or_fails_as_documented(
     monkeypatch.chdir(tmp_path)
     # The default corpus (the standard library's source) is read once, not once per command.
     monkeypatch.setattr(data_mod, "load_tokens", functools.cache(data_mod.load_tokens))
-    unique = {(tuple(argv), output): (doc, command) for doc, command, argv, output in _all_commands()}
+    unique = {
+        (tuple(argv), output): (doc, command) for doc, command, argv, output in _all_commands()
+    }
     for (args, output), (doc, command) in unique.items():
         argv = list(args)
         try:
