@@ -5,8 +5,8 @@ They are test hooks, not flags: nobody should kill their own ranks on purpose.
 
 [Note: fault injection] ``FULLSHARD_FAULT`` holds faults separated by ``;``, each
 ``KIND@key=value,...``; keys are ``step`` (required), ``rank`` (default 0), ``attempt`` (the
-elastic attempt it fires in, ``TORCHELASTIC_RESTART_COUNT``; default 0, ``*`` for every attempt)
-and, for ``nan_grad``, ``steps`` (``3|6|7``) instead of ``step``. Kinds:
+restart of the group it fires in, ``failures.attempt_number()``; default 0, ``*`` for every
+attempt) and, for ``nan_grad``, ``steps`` (``3|6|7``) instead of ``step``. Kinds:
 
 - ``kill``: SIGKILL this rank in the middle of step ``step`` (after backward, before the
   optimizer step), as a crashed host or the OOM killer would;

@@ -63,7 +63,7 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
-    restart_count: int  # TORCHELASTIC_RESTART_COUNT: > 0 after the agent restarted the group
+    restart_count: int  # failures.attempt_number(): > 0 after the group was restarted
     device: torch.device
 
     @property
