@@ -76,7 +76,7 @@ import contextlib, io, sys
 from fullshard.cli import main
 cases = [["--help"], ["train", "--help"], ["train", "--preset", "tiny", "--help"],
          ["train", "--max-steps", "-1"], ["train", "--max-stepz", "3"], ["bench", "--help"],
-         ["bench", "--steps", "-2"]]
+         ["bench", "--steps", "-2"], ["train", "--preset", "tiny", "--nproc", "3"]]
 for argv in cases:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
@@ -91,7 +91,7 @@ for argv in cases:
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 7 and all(line.endswith("-> []") for line in lines), proc.stdout
+    assert len(lines) == 8 and all(line.endswith("-> []") for line in lines), proc.stdout
 
 
 # ---------------------------------------------------------------- help, TOML, bench flags

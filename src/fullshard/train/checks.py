@@ -18,7 +18,7 @@ import torch
 
 from fullshard.train import data as data_mod
 from fullshard.train import hf
-from fullshard.train.config import ConfigError, TrainConfig
+from fullshard.train.config import ConfigError, TrainConfig, check_batch
 from fullshard.train.models import count_parameters, vocab_size_of
 
 if TYPE_CHECKING:
@@ -89,17 +89,6 @@ def _check_host_memory(cfg: TrainConfig, world: int, n_params: int, vocab: int) 
             f"{per_rank * world / 2**30:.0f} GiB on this CPU-only host, which has "
             f"{host / 2**30:.0f} GiB available; train it on GPUs, lower --micro-batch or "
             "--seq-len, or pick --preset small"
-        )
-
-
-def _check_batch(cfg: TrainConfig, world: int) -> None:
-    unit = world * cfg.micro_batch
-    if cfg.global_batch % unit:
-        up = (cfg.global_batch // unit + 1) * unit
-        raise ConfigError(
-            f"--global-batch {cfg.global_batch} is not divisible by ranks x --micro-batch = "
-            f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
-            f"or --nproc that divides {cfg.global_batch}"
         )
 
 
@@ -263,7 +252,7 @@ def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) ->
     if world_size < 1:
         raise ConfigError(f"--nproc must be at least 1 (0 means automatic), got {world_size}")
     _check_device(cfg, world_size)
-    _check_batch(cfg, world_size)
+    check_batch(cfg, world_size)
     n_tokens, data_vocab = _check_data(cfg)
     n_params = _check_model(cfg, world_size, data_vocab)
     if fresh_launch:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from fullshard.train.config import (
     ConfigError,
     TrainConfig,
+    check_batch,
     field_help,
     field_types,
     flag,
@@ -206,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if in_torchrun():
         return _run_as_worker(cfg)
+    if cfg.nproc:  # before the checks that import torch: a second saved on a typo
+        try:
+            check_batch(cfg, cfg.nproc)
+        except ConfigError as e:
+            print(f"fullshard train: error: {e}", file=sys.stderr)
+            return 2
 
     from fullshard.train import checks
     from fullshard.train.launch import launch

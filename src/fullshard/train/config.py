@@ -26,6 +26,7 @@ __all__ = [
     "GPT_MODEL_FIELDS",
     "ConfigError",
     "TrainConfig",
+    "check_batch",
     "field_help",
     "flag",
     "from_toml",
@@ -250,6 +251,19 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Field name -> value, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_batch(cfg: TrainConfig, world: int) -> None:
+    """The global batch splits into ``world`` ranks x ``--micro-batch`` (needs no torch, so
+    ``fullshard train`` checks it before importing anything heavy when --nproc is given)."""
+    unit = world * cfg.micro_batch
+    if cfg.global_batch % unit:
+        up = (cfg.global_batch // unit + 1) * unit
+        raise ConfigError(
+            f"--global-batch {cfg.global_batch} is not divisible by ranks x --micro-batch = "
+            f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
+            f"or --nproc that divides {cfg.global_batch}"
+        )
 
 
 def _require(cfg: TrainConfig, name: str, ok: bool, what: str) -> None:
