@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from doc_commands import hf_example
 from fullshard.testing import free_port
 from fullshard.train.config import from_toml
 from fullshard.train.launch import package_root
@@ -25,16 +26,6 @@ from fullshard.train.metrics import read_metrics
 
 STEPS = 60
 TINY = ["--preset", "tiny", "--max-steps", str(STEPS), "--ckpt-every", "20", "--log-every", "20"]
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-}
 
 
 def _env() -> dict[str, str]:
@@ -146,9 +137,10 @@ def test_interrupt_then_resume_matches_uninterrupted(
 
 
 def test_hf_llama_trains(tmp_path: Path) -> None:
+    """docs/train.md's Hugging Face example, as written there (fewer steps)."""
     run_dir = tmp_path / "run"
-    args = "--preset tiny --max-steps 30 --sample-tokens 20".split()
-    proc = _run(*args, "--hf-config", json.dumps(LLAMA), "--run-dir", str(run_dir), cwd=tmp_path)
+    args = [*hf_example(), "--max-steps", "30", "--sample-tokens", "20"]
+    proc = _run(*args, "--run-dir", str(run_dir), cwd=tmp_path)
     assert "LlamaForCausalLM" in proc.stdout
     losses = _train_losses(run_dir)
     assert len(losses) == 30 and losses[30] < losses[1] - 1.0

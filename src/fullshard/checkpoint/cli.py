@@ -110,7 +110,9 @@ def _dtype_name(rec: TensorRecord) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``fullshard ckpt``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="fullshard ckpt", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="fullshard ckpt", description=__doc__.split("\n\n")[0].replace("``", "")
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="show what a checkpoint holds and verify it")
     p_inspect.add_argument("ckpt", help="checkpoint dir, checkpoints root, or run dir")

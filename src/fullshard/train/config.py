@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import inspect
 import itertools
 import json
@@ -21,7 +22,27 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "TrainConfig", "field_help", "flag", "from_toml", "to_toml"]
+__all__ = [
+    "GPT_MODEL_FIELDS",
+    "ConfigError",
+    "TrainConfig",
+    "check_batch",
+    "field_help",
+    "flag",
+    "from_toml",
+    "to_toml",
+]
+
+# The fields that shape the built-in GPT's tensors (see TrainConfig.model_identity).
+GPT_MODEL_FIELDS = (
+    "vocab_size",
+    "seq_len",
+    "n_layer",
+    "d_model",
+    "n_head",
+    "mlp_ratio",
+    "tie_embeddings",
+)
 
 
 class ConfigError(ValueError):
@@ -41,7 +62,8 @@ class TrainConfig:
     preset: str = "small"
     """Preset to start from: tiny, small, gpt2-124m, llama-1b, llama-8b (flags override it)."""
     name: str = ""
-    """Run name; the default run directory is runs/<name>. Empty: the preset's name."""
+    """Run name; the default run directory is runs/<name>. Empty: the preset's name, plus a
+    short hash of the model settings when they are not the preset's (e.g. tiny-1a2b3c4d)."""
     run_dir: str = ""
     """Run directory (config.toml, metrics.jsonl, loss.png, checkpoints/). Default: runs/<name>."""
     seed: int = 0
@@ -230,9 +252,37 @@ class TrainConfig:
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         return self.hf_model if any((Path(self.hf_model) / n).exists() for n in names) else ""
 
+    def model_identity(self) -> dict[str, Any]:
+        """The settings that decide the model's tensors (names and shapes): the canonical
+        ``--hf-config`` for a Hugging Face model, else the GPT's shape flags."""
+        if not self.uses_hf:
+            return {name: getattr(self, name) for name in GPT_MODEL_FIELDS}
+        if self.hf_model and not self.hf_config:
+            from pathlib import Path
+
+            return {"hf_model": str(Path(self.hf_model).resolve())}
+        text = self.hf_config.strip()
+        if text.startswith("{"):
+            try:
+                text = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+            except json.JSONDecodeError:
+                pass  # refused later, with a message, by the checks
+        return {"hf_config": text}
+
     def resolved_name(self) -> str:
-        """The run name: ``--name``, else the preset's."""
-        return self.name or self.preset
+        """The run name: ``--name``; else the preset's name when the model is the preset's,
+        or the preset's name and a short hash of :meth:`model_identity` when it is not
+        (``tiny-1a2b3c4d``), so runs of different models never share a run directory."""
+        if self.name:
+            return self.name
+        from fullshard.train.presets import PRESETS  # presets import this module
+
+        model = self.model_identity()
+        make = PRESETS.get(self.preset)
+        if make is not None and make().model_identity() == model:
+            return self.preset
+        digest = hashlib.sha1(json.dumps(model, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.preset}-{digest}"
 
     def resolved_run_dir(self) -> str:
         """The run directory: ``--run-dir``, else ``runs/<name>``."""
@@ -241,6 +291,19 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Field name -> value, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_batch(cfg: TrainConfig, world: int) -> None:
+    """The global batch splits into ``world`` ranks x ``--micro-batch`` (needs no torch, so
+    ``fullshard train`` checks it before importing anything heavy when --nproc is given)."""
+    unit = world * cfg.micro_batch
+    if cfg.global_batch % unit:
+        up = (cfg.global_batch // unit + 1) * unit
+        raise ConfigError(
+            f"--global-batch {cfg.global_batch} is not divisible by ranks x --micro-batch = "
+            f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
+            f"or --nproc that divides {cfg.global_batch}"
+        )
 
 
 def _require(cfg: TrainConfig, name: str, ok: bool, what: str) -> None:
@@ -339,5 +402,22 @@ def from_toml(path: str) -> dict[str, Any]:
             raise ConfigError(f"--config {path}: {key!r} must be a value, not a table")
         if types[name] is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        problem = _toml_type_problem(types[name], value)
+        if problem:
+            raise ConfigError(f"--config {path}: {key} must be {problem}, got {value!r}")
         out[name] = value
     return out
+
+
+_TOML_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a quoted string"}
+
+
+def _toml_type_problem(hint: Any, value: Any) -> str:
+    """What ``value`` should have been for a field annotated ``hint``; '' when it fits."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return "" if value in choices else f"one of {', '.join(map(json.dumps, choices))}"
+    kind = type(value)
+    if kind is hint or (hint is float and kind is int):
+        return ""
+    return _TOML_KINDS.get(hint, str(hint))

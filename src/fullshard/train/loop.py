@@ -5,6 +5,14 @@
 reads the same stop decision from it (a Ctrl-C/SIGTERM that reached any rank, or the time
 budget on rank 0), so all ranks stop after the same step, save the same checkpoint together
 and exit 0. A signal never interrupts a step or a collective: the handler only sets a flag.
+
+[Note: falling back from a damaged checkpoint] Each rank reads only its own rows of a
+checkpoint, so one rank may find a bad block that the others never read. After trying a
+checkpoint the ranks exchange how it went (one all_gather_object): all intact, and they go
+on; damaged somewhere (a checksum, a truncated or missing file), and all of them try the next
+older checkpoint of the run (a load replaces every tensor, so a half-done one leaves nothing
+behind), saying so; any other error (a checkpoint of another model) is final everywhere. A
+checkpoint named by ``--resume PATH`` is never replaced by another one.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_
 from fullshard.train import data as data_mod
 from fullshard.train.config import TrainConfig, to_toml
+from fullshard.train.failures import SecondaryFailure, attempt_number
 from fullshard.train.guard import FaultInjector, ResourceProbe, nonfinite_stop
 from fullshard.train.metrics import MetricsLog, Progress, plot
 from fullshard.train.models import (
@@ -55,7 +64,7 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
-    restart_count: int  # TORCHELASTIC_RESTART_COUNT: > 0 after the agent restarted the group
+    restart_count: int  # failures.attempt_number(): > 0 after the group was restarted
     device: torch.device
 
     @property
@@ -92,7 +101,7 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     env = os.environ
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = attempt_number()
     store = _rendezvous_store(rank, world, restarts)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.collective_timeout)}
     if store is not None:
@@ -135,15 +144,58 @@ def _peak_mem_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _resume_path(cfg: TrainConfig, root: Path, restart_count: int) -> Path | None:
-    latest = ckpt.latest_checkpoint(root)
+def resume_candidates(cfg: TrainConfig, root: Path, restart_count: int) -> list[Path]:
+    """The checkpoints to resume from, in order: this run's own, newest first (an older one
+    is the fallback when a newer one is damaged), or the one ``--resume PATH`` names."""
+    own = ckpt.list_checkpoints(root)[::-1]
     if cfg.resume == "auto":
-        return latest
+        return own
     if cfg.resume == "never":  # after an elastic restart, continue what this launch saved
-        return latest if restart_count > 0 else None
-    if restart_count > 0 and latest is not None:
-        return latest
-    return Path(cfg.resume)
+        return own if restart_count > 0 else []
+    if restart_count > 0 and own:
+        return own
+    return [Path(cfg.resume)]
+
+
+def _load_resume(
+    candidates: list[Path],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+) -> tuple[Path | None, dict[str, Any]]:
+    """Load the first of ``candidates`` that every rank reads intact (see [Note: falling back
+    from a damaged checkpoint]); ``(None, {})`` when there are none."""
+    say = print if env.is_main else (lambda *a, **k: None)
+    for i, path in enumerate(candidates):
+        extra: dict[str, Any] = {}
+        mine: tuple[str, str] = ("ok", "")
+        error: Exception | None = None
+        try:
+            extra = ckpt.load(path, model=model, optimizer=optimizer)
+        except ckpt.CheckpointCorruptedError as e:
+            mine, error = ("damaged", str(e)), e
+        except Exception as e:  # a mismatch, an OS error: the same after any fallback
+            mine, error = ("failed", str(e)), e
+        statuses: list[Any] = [None] * env.world_size
+        dist.all_gather_object(statuses, mine)
+        if all(kind == "ok" for kind, _ in statuses):
+            return path, extra
+        if error is not None and mine[0] == "failed":
+            raise error
+        if any(kind == "failed" for kind, _ in statuses):
+            raise SecondaryFailure(f"loading {path} failed on another rank")
+        damage = next(message for kind, message in statuses if kind == "damaged")
+        if i + 1 == len(candidates):
+            if not env.is_main:
+                raise SecondaryFailure(f"{path} is damaged: {damage}")
+            newer = "; so is every newer checkpoint of this run" if i else ""
+            raise ckpt.CheckpointCorruptedError(f"{damage}{newer}")
+        say(
+            f"fullshard train: checkpoint {path} is damaged ({damage}); falling back to the "
+            f"newest intact one, trying {candidates[i + 1]}",
+            flush=True,
+        )
+    return None, {}
 
 
 def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env: DistEnv) -> float:
@@ -244,9 +296,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
 
     # ---- resume
     start_step, tokens_seen, skipped_total = 0, 0, 0
-    resume_from = _resume_path(cfg, ckpt_root, env.restart_count)
+    candidates = resume_candidates(cfg, ckpt_root, env.restart_count)
+    resume_from, extra = _load_resume(candidates, model, optimizer, env)
     if resume_from is not None:
-        extra = ckpt.load(resume_from, model=model, optimizer=optimizer)
         start_step = int(extra["step"])
         tokens_seen = int(extra.get("tokens", 0))
         skipped_total = int(extra.get("skipped_steps", 0))
