@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.memory.tracker import LiveTensorBytes
-from fullshard.train.model import GPT, GPTConfig
+from fullshard.models import GPT, GPTConfig
 
 __all__ = [
     "ENGINES",

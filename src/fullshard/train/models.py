@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fullshard.models import GPT, GPTConfig
 from fullshard.train import hf
 from fullshard.train.config import TrainConfig
-from fullshard.train.model import GPT, GPTConfig
 
 __all__ = ["Units", "build_model", "count_parameters", "generate", "logits_of", "units_of"]
 
