@@ -62,9 +62,8 @@ def _stream(e: dict[str, Any]) -> int:
 
 def gpu_events(trace: dict[str, Any] | str | Path) -> list[GpuEvent]:
     """Every GPU event of ``trace`` (a chrome-trace dict or file), in start order."""
-    if not isinstance(trace, dict):
-        trace = json.loads(Path(trace).read_text())
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    data: dict[str, Any] = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X"]
     launches: dict[Any, tuple[Any, float]] = {}  # correlation -> (thread, launch time)
     ranges: dict[Any, list[tuple[float, float, str]]] = {}  # thread -> (start, end, name)
     gpu: list[dict[str, Any]] = []
@@ -131,10 +130,10 @@ def _span(events: Sequence[GpuEvent]) -> list[tuple[float, float]]:
 
 
 def _top_names(events: Sequence[GpuEvent], n: int = 3) -> list[str]:
-    busy: Counter[str] = Counter()
+    busy: dict[str, float] = {}
     for g in events:
-        busy[g.name[:60]] += g.end - g.start
-    return [name for name, _ in busy.most_common(n)]
+        busy[g.name[:60]] = busy.get(g.name[:60], 0.0) + g.end - g.start
+    return sorted(busy, key=lambda name: -busy[name])[:n]
 
 
 def prefetch_overlap(events: Sequence[GpuEvent], unit_ranges: Sequence[str]) -> dict[str, Any]:
