@@ -298,7 +298,10 @@ def _llama_run(engine: str, args: argparse.Namespace, trace: Path | None) -> dic
     }
     if trace is not None:
         events = _profile(lambda: step(data[0]), trace)
-        out["prefetch"] = prefetch_overlap(events, [f"{UNIT}{i}" for i in range(len(units))])
+        try:
+            out["prefetch"] = prefetch_overlap(events, [f"{UNIT}{i}" for i in range(len(units))])
+        except ValueError as e:  # e.g. no kernel in the trace: report it, keep the other rows
+            out["prefetch"] = {"error": str(e)}
     return out  # the model and optimizer go with this frame (gc.collect in the next run)
 
 
@@ -345,16 +348,23 @@ def check_llama(args: argparse.Namespace, trace_dir: Path) -> list[Row]:
 
     def cell(e: str) -> str:
         p = pf[e]
+        if "error" in p:
+            return f"trace unreadable: {p['error'][:60]}"
         return f"{p['units_overlapped']}/{p['units']} units, {p['side_overlapped_fraction'] * 100:.0f}%"
 
+    fs_pf = pf["fullshard"]
     rows.append(
         Row(
             "prefetch: unit i+1 gather inside unit i compute",
             cell("fullshard"),
             cell("fsdp2"),
             "units whose compute span had work on another stream; % of that side work under "
-            f"compute. fullshard side work: {', '.join(pf['fullshard']['side_top']) or 'none'}",
-            "met" if pf["fullshard"]["units_overlapped"] == pf["fullshard"]["units"] else "missed",
+            f"compute. fullshard side work: {', '.join(fs_pf.get('side_top', [])) or 'none'}",
+            "ERROR"
+            if "error" in fs_pf
+            else "met"
+            if fs_pf["units_overlapped"] == fs_pf["units"]
+            else "missed",
         )
     )
     return rows
