@@ -251,6 +251,7 @@ def _aggregate(cfg: OverheadConfig, world: int, ranks: list[dict[str, Any]]) -> 
 
 def run(cfg: OverheadConfig, *, timeout: float = 3600.0, quiet: bool = False) -> dict[str, Any]:
     """Run the benchmark at each world size; return ``{"machine", "command", "config", "worlds"}``."""
+    machine = machine_info()  # the load average before the runs
     worlds = []
     for n in cfg.nprocs:
         t0 = time.perf_counter()
@@ -264,7 +265,7 @@ def run(cfg: OverheadConfig, *, timeout: float = 3600.0, quiet: bool = False) ->
                 flush=True,
             )
     return {
-        "machine": machine_info(),
+        "machine": machine,
         "command": cfg.command(),
         "config": asdict(cfg),
         "worlds": worlds,
