@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState, states_under
+from .init import check_reshard_after_forward, claim_params, lazy_init, resolve_reshard
 from .mesh import default_mesh, mesh_info
-from .param import ShardedParam
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -58,10 +58,10 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters; with ``async_op`` return a handle to wait on."""
         state = _state(cast(nn.Module, self))
-        if state.root is None:
-            state.lazy_init()
+        if state.ctx is None:
+            lazy_init(state)
         group = state.group
-        group.unshard(async_op=True)
+        group.unshard()
         handle = UnshardHandle(group)
         if async_op:
             return handle
@@ -105,15 +105,23 @@ class FSDPModule:
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int, *, recurse: bool = True
     ) -> None:
-        """Change the post-forward reshard policy (True, False or an int group size)."""
-        _check_reshard_after_forward(reshard_after_forward, None)
-        for st in self._states(recurse):
+        """Change the post-forward reshard policy (True, False or an int group size ``k``
+        that divides each unit's shard group size)."""
+        states = self._states(recurse)
+        for st in states:  # validate all before changing any
+            check_reshard_after_forward(reshard_after_forward, st.group.world)
+        for st in states:
             st.reshard_after_forward = reshard_after_forward
-            if st.root is not None:
-                st._resolve_reshard_after_forward()
+            if st.ctx is not None:
+                resolve_reshard(st)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the step (kept for FSDP2 compatibility)."""
+        """Whether the next backward is the last of the step (call it on the root).
+
+        ``False`` (e.g. all but the last micro-batch): the end of that backward does not wait
+        for the last reductions still in flight; they finish during the next backward, so
+        they overlap its compute. Gradients are complete once a backward with ``True`` ends.
+        """
         _state(cast(nn.Module, self)).is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -141,20 +149,6 @@ class FSDPModule:
             st.group.force_sum_reduction = enable
 
 
-def _check_reshard_after_forward(value: object, world: int | None) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"reshard_after_forward must be True, False, None or a positive int, got {value!r}"
-        )
-    if world is not None and world % value != 0:
-        raise ValueError(
-            f"reshard_after_forward={value} must divide the shard group size {world}: after "
-            f"forward each group of {value} ranks keeps one copy sharded among them"
-        )
-
-
 def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
@@ -172,43 +166,6 @@ def _install_hooks(module: nn.Module, state: FSDPState) -> None:
 
     module.register_state_dict_pre_hook(_reshard_for_io)
     module._register_load_state_dict_pre_hook(_reshard_for_io)
-
-
-def _claim_params(
-    modules: tuple[nn.Module, ...],
-    info: Any,
-    device: torch.device,
-    ignored: set[int],
-    pin_memory: bool,
-) -> list[ShardedParam]:
-    """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones."""
-    below = [sp for st in states_under(modules) for sp in st.group.params]
-    by_sharded = {id(sp.sharded_param): sp for sp in below}
-    claimed: dict[int, ShardedParam] = {}
-    new: list[ShardedParam] = []
-    for m in modules:
-        for prefix, sub in m.named_modules():
-            for name, p in list(sub._parameters.items()):
-                if p is None or id(p) in ignored:
-                    continue
-                fqn = f"{prefix}.{name}" if prefix else name
-                sp = by_sharded.get(id(p)) or claimed.get(id(p))
-                if sp is None:
-                    sp = next((b for b in below if b.is_original(p)), None)  # tied across units
-                if sp is not None:
-                    sp.add_ref(sub, name)
-                    continue
-                if isinstance(p, DTensor):
-                    raise ValueError(
-                        f"parameter {fqn!r} of {type(m).__name__} is already sharded by a "
-                        f"fully_shard call on an enclosing module: apply fully_shard bottom-up "
-                        f"(each block first, then the root)"
-                    )
-                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory)
-                sp.add_ref(sub, name)
-                claimed[id(p)] = sp
-                new.append(sp)
-    return new
 
 
 def fully_shard(
@@ -234,8 +191,8 @@ def fully_shard(
     - ``shard_placement_fn``: may return ``Shard(0)`` or ``None``; other dims are refused.
     - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
-    - ``comm_policy`` (fullshard only): low-precision communication, see
-      :class:`fullshard.policies.CommPolicy`.
+    - ``comm_policy`` (fullshard only): the transport (``packed`` / ``p2p`` / ``auto``) and
+      low-precision communication, see :class:`fullshard.policies.CommPolicy`.
 
     Parameters already owned by a unit applied earlier (a child) stay with it; a Parameter
     tied across units (e.g. embedding and output head) is handled, unlike FSDP2. Returns the
@@ -253,7 +210,7 @@ def fully_shard(
                 f"form only one unit (apply it once per module, bottom-up)"
             )
     info = mesh_info(mesh if mesh is not None else default_mesh())
-    _check_reshard_after_forward(reshard_after_forward, info.shard_size)
+    check_reshard_after_forward(reshard_after_forward, info.shard_size)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -287,10 +244,24 @@ def fully_shard(
             f"the module to one device (module.to(...)) — or build all of it on meta — "
             f"before fully_shard"
         )
-    pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
-    params = _claim_params(modules, info, shard_device, ignored, pin)
+    offloaded = isinstance(offload_policy, CPUOffloadPolicy)
+    pin = (
+        isinstance(offload_policy, CPUOffloadPolicy)
+        and offload_policy.pin_memory
+        and torch.cuda.is_available()
+    )
+    params = claim_params(modules, info, shard_device, ignored, pin)
     name = type(modules[0]).__name__
-    group = ParamGroup(params, info, compute_device, mp_policy, offload_policy, name, comm_policy)
+    group = ParamGroup(
+        params,
+        info,
+        compute_device,
+        mp_policy,
+        name,
+        comm_policy,
+        offloaded=offloaded,
+        pin_memory=pin,
+    )
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         for sub in m.modules():
