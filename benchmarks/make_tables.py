@@ -33,8 +33,8 @@ def plan_accuracy(engine: str) -> list[dict[str, Any]]:
     from fullshard.memory.cli import PRESETS
     from fullshard.memory.measure import measure_rank
     from fullshard.memory.planner import PlanSpec, plan
+    from fullshard.models import GPTConfig
     from fullshard.testing import run_distributed
-    from fullshard.train.model import GPTConfig
 
     rows = []
     for name, world in PLAN_CASES:

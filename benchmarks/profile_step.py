@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from fullshard.bench.comm import CommMeter
 from fullshard.bench.configs import BenchConfig, get_config
 from fullshard.bench.worker import make_batches, model_config, wrap
+from fullshard.models import GPT
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT
 
 
 def profile_rank(cfg_dict: dict[str, Any], mode: str, rows: int) -> dict[str, Any]:

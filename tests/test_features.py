@@ -300,7 +300,7 @@ def test_hsdp_offload_clip_divide() -> None:
 
 
 def _low_precision() -> dict:
-    from fullshard.train.model import GPT, GPTConfig
+    from fullshard.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, d_model=64, n_head=4)
     policies = {

@@ -17,8 +17,8 @@ from fullshard.bench.cli import fullshard_available
 from fullshard.memory.cli import main, parse_bytes, recommend
 from fullshard.memory.measure import measure_rank
 from fullshard.memory.planner import PlanSpec, plan
+from fullshard.models import GPT, GPTConfig
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPTConfig
 
 ENGINE = "fullshard" if fullshard_available() is None else "fsdp2"
 
@@ -55,9 +55,7 @@ def test_breakdown_and_scaling() -> None:
     cfg = GPTConfig(n_layer=4, d_model=128, n_head=4, seq_len=64, tie_embeddings=False)
     p1 = plan(PlanSpec(model=cfg, world_size=1, batch=2, seq=64))
     p4 = plan(PlanSpec(model=cfg, world_size=4, batch=2, seq=64))
-    params = sum(
-        p.numel() for p in __import__("fullshard.train.model").train.model.GPT(cfg).parameters()
-    )
+    params = sum(p.numel() for p in GPT(cfg).parameters())
     assert p1.n_params == params
     opt = next(e for e in p1.events if e.label == "optimizer step")
     assert opt.bytes["sharded params"] == 4 * params

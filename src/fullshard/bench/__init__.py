@@ -5,5 +5,7 @@
 - :mod:`~fullshard.bench.comm` — collective calls/bytes/blocked time per step.
 - :mod:`~fullshard.bench.runner` — alternate modes over repeats and aggregate.
 - :mod:`~fullshard.bench.report` — tables, Markdown and target verdicts.
+- :mod:`~fullshard.bench.overhead` — ``--config overhead``: the engine's cost per unit per step.
+- :mod:`~fullshard.bench.trace` — stream overlap read off a ``torch.profiler`` trace (GPU check).
 - :mod:`~fullshard.bench.cli` — the command.
 """

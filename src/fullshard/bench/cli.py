@@ -5,6 +5,7 @@ Examples::
     fullshard bench                       # the `speed` config on 2 ranks
     fullshard bench --config comm --json  # communication-bound config, machine-readable
     fullshard bench --config memory       # ~150M params on 1, 2 and 4 ranks
+    fullshard bench --config overhead     # engine CPU cost per unit per step, 1 and 2 ranks
     fullshard bench --all --markdown out.md
 """
 
@@ -13,10 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fullshard.bench.configs import ALL_MODES, CONFIGS, BenchConfig, get_config
+from fullshard.bench.configs import ALL_MODES, CONFIGS, OVERHEAD_MODES, BenchConfig, get_config
 from fullshard.bench.report import markdown, table
+
+if TYPE_CHECKING:
+    from fullshard.bench.overhead import OverheadConfig
 
 __all__ = ["fullshard_available", "main", "run"]
 
@@ -56,17 +60,30 @@ def _parser() -> argparse.ArgumentParser:
         "ranks; report step time, tokens/s, ratios, peak RSS per rank, collective traffic vs "
         "ZeRO-3 theory, exposed communication, and a loss check.",
     )
-    p.add_argument("--config", choices=sorted(CONFIGS), default="speed")
+    p.add_argument(
+        "--config",
+        choices=[*sorted(CONFIGS), "overhead"],
+        default="speed",
+        help="overhead: many tiny units, engine cost per unit per step vs the bare model",
+    )
     p.add_argument("--all", action="store_true", help="run speed, comm and memory")
     p.add_argument("--nproc", help="ranks, or a comma list of world sizes (e.g. 1,2,4)")
     p.add_argument("--steps", type=_positive, help="steps per run (config default otherwise)")
     p.add_argument("--warmup", type=_non_negative, help="untimed first steps")
     p.add_argument("--repeats", type=_positive, help="runs per mode (modes alternate)")
-    p.add_argument("--batch", type=_positive, help="global batch (per rank for memory)")
+    p.add_argument("--batch", type=_positive, help="global batch (per rank for memory, overhead)")
     p.add_argument("--n-layer", type=_positive)
     p.add_argument("--d-model", type=_positive)
     p.add_argument(
-        "--modes", nargs="+", help=f"subset of {list(ALL_MODES)} (comma or space separated)"
+        "--modes",
+        nargs="+",
+        help=f"subset of {list(ALL_MODES)}, or of {list(OVERHEAD_MODES)} for overhead "
+        "(comma or space separated)",
+    )
+    p.add_argument("--units", type=int, help="overhead: tiny blocks (sharding units)")
+    p.add_argument("--width", type=int, help="overhead: LayerNorm/Linear width")
+    p.add_argument(
+        "--profile-steps", type=int, help="overhead: fullshard steps profiled on rank 0 (0: none)"
     )
     p.add_argument(
         "--no-reshard-after-forward", action="store_true", help="keep units gathered after fwd"
@@ -96,6 +113,58 @@ def _configure(args: argparse.Namespace, name: str) -> BenchConfig:
     return cfg.replace(**changes)
 
 
+_GPT_ONLY = ("n_layer", "d_model", "no_reshard_after_forward")
+_OVERHEAD_ONLY = ("units", "width", "profile_steps")
+
+
+def _given(args: argparse.Namespace, fields: tuple[str, ...]) -> list[str]:
+    return [f"--{f.replace('_', '-')}" for f in fields if getattr(args, f) not in (None, False)]
+
+
+def _configure_overhead(args: argparse.Namespace) -> OverheadConfig:
+    from fullshard.bench import overhead  # imports torch
+
+    wrong = _given(args, _GPT_ONLY)
+    if wrong or args.all:
+        raise ValueError(f"{wrong or ['--all']} do not apply to --config overhead")
+    cfg = overhead.OverheadConfig()
+    changes: dict[str, Any] = {}
+    for field in ("steps", "warmup", "repeats", "batch", "units", "width", "profile_steps"):
+        v = getattr(args, field)
+        if v is not None:
+            changes[field] = v
+    if args.steps is not None and args.warmup is None:
+        changes["warmup"] = min(cfg.warmup, args.steps - 1)
+    if args.nproc:
+        changes["nprocs"] = tuple(int(x) for x in args.nproc.split(","))
+    if args.modes:
+        changes["modes"] = tuple(m for item in args.modes for m in item.split(",") if m)
+    return cfg.replace(**changes)
+
+
+def _main_overhead(args: argparse.Namespace) -> int:
+    from fullshard.bench import overhead  # imports torch
+
+    try:
+        cfg = _configure_overhead(args)
+    except ValueError as e:
+        print(f"fullshard bench: {e}", file=sys.stderr)
+        return 2
+    results = overhead.run(cfg, timeout=args.timeout, quiet=args.json)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(overhead.markdown(results) + "\n")
+    if args.json:
+        json.dump(results, sys.stdout, indent=1)
+        print()
+    else:
+        print(overhead.table(results))
+    return 0
+
+
 def run(cfgs: list[BenchConfig], *, timeout: float, quiet: bool = False) -> dict[str, Any]:
     """Run each config at each of its world sizes; return ``{"machine":..., "runs": [...]}``."""
 
@@ -119,6 +188,12 @@ def run(cfgs: list[BenchConfig], *, timeout: float, quiet: bool = False) -> dict
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.config == "overhead":
+        return _main_overhead(args)
+    wrong = _given(args, _OVERHEAD_ONLY)
+    if wrong:
+        print(f"fullshard bench: {wrong} apply to --config overhead only", file=sys.stderr)
+        return 2
     names = ["speed", "comm", "memory"] if args.all else [args.config]
     try:
         cfgs = [_configure(args, n) for n in names]

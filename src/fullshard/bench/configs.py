@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# Modes of ``fullshard bench --config overhead`` (fullshard.bench.overhead).
+OVERHEAD_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "bare")
+
 __all__ = ["ALL_MODES", "CONFIGS", "BenchConfig", "get_config"]
 
 #: Every mode ``fullshard bench`` knows, in the order tables list them.

@@ -24,7 +24,7 @@ from fullshard.bench.worker import run_rank
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.testing import run_distributed
 
-__all__ = ["LOSS_RTOL", "aggregate", "machine_info", "run_config"]
+__all__ = ["LOSS_RTOL", "aggregate", "alternate", "machine_info", "run_config"]
 
 #: Relative loss tolerance against the reference (single process) at every step, fp32.
 LOSS_RTOL = 1e-5
@@ -83,7 +83,8 @@ def _spawn(cfg: BenchConfig, mode: str, nproc: int, timeout: float) -> list[dict
         return run_distributed(run_rank, world, asdict(cfg), mode, nproc, timeout=timeout, env=env)
 
 
-def _order(modes: tuple[str, ...], repeat: int) -> tuple[str, ...]:
+def alternate(modes: tuple[str, ...], repeat: int) -> tuple[str, ...]:
+    """The order modes run in on ``repeat``: A B C, then C B A, ... (drift hits each alike)."""
     return modes if repeat % 2 == 0 else tuple(reversed(modes))
 
 
@@ -97,7 +98,7 @@ def run_config(
     """Run all of ``cfg.modes`` ``cfg.repeats`` times on ``nproc`` ranks; return aggregated results."""
     raw: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in cfg.modes}
     for r in range(cfg.repeats):
-        for mode in _order(cfg.modes, r):
+        for mode in alternate(cfg.modes, r):
             t0 = time.perf_counter()
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
             ranks = _spawn(cfg, mode, nproc, timeout)

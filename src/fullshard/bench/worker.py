@@ -20,9 +20,9 @@ from torch import nn
 
 from fullshard.bench.comm import KINDS, CommMeter, ddp_comm_per_step
 from fullshard.bench.configs import BenchConfig
-from fullshard.bench.peers import load_peer_fully_shard
 from fullshard.memory.tracker import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from fullshard.train.model import GPT, GPTConfig
+from fullshard.models import GPT, GPTConfig
+from fullshard.peers import load_fully_shard
 
 __all__ = ["corpus", "make_batches", "model_config", "run_rank", "wrap"]
 
@@ -68,7 +68,7 @@ def wrap(model: GPT, mode: str, reshard_after_forward: bool, transport: str = "a
     ``transport`` selects fullshard's ``CommPolicy(transport=...)`` (ignored by other modes).
     """
     if mode in ("fsdp2", "fullshard"):
-        fully_shard = load_peer_fully_shard(mode)
+        fully_shard = load_fully_shard(mode)
         kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
         if mode == "fullshard":
             from fullshard.policies import CommPolicy

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fullshard.memory.planner import ENGINES, Plan, PlanSpec, plan
-from fullshard.train.model import GPTConfig
+from fullshard.models import GPTConfig
 
 __all__ = ["PRESETS", "Option", "main", "parse_bytes", "recommend"]
 

@@ -19,15 +19,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fullshard.memory.tracker import LiveTensorBytes
-from fullshard.train.model import GPT, GPTConfig
+from fullshard.models import GPT, GPTConfig
+from fullshard.peers import load_fully_shard
 
 __all__ = ["measure_rank"]
 
 
 def _shard(model: GPT, engine: str, reshard_after_forward: bool) -> None:
-    from fullshard.bench.peers import load_peer_fully_shard
-
-    fully_shard = load_peer_fully_shard(engine)
+    fully_shard = load_fully_shard(engine)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)

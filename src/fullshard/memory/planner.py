@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.memory.tracker import LiveTensorBytes
-from fullshard.train.model import GPT, GPTConfig
+from fullshard.models import GPT, GPTConfig
 from fullshard.transport import select_transport
 
 __all__ = [

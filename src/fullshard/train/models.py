@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard.models import GPT, GPTConfig
 from fullshard.train import hf
 from fullshard.train.config import TrainConfig
-from fullshard.train.model import GPT, GPTConfig
 
 __all__ = [
     "Units",

@@ -1,6 +1,12 @@
-"""A byte-level GPT, free of any parallelism (fullshard is applied from outside).
+"""Example models shared by the trainer, the benchmarks and the memory planner.
 
-Pre-norm transformer blocks, learned positions, optional tied input/output embeddings.
+Free of any parallelism: this module imports nothing from fullshard, and sharding is applied
+from outside (blocks first, then the root).
+
+- :class:`GPT`: a byte-level GPT (pre-norm blocks, learned positions, optional tied
+  input/output embeddings), trained by ``fullshard train`` and benchmarked by ``fullshard bench``.
+- :class:`TinyUnits`: many tiny blocks whose compute is negligible, so a sharded step's time is
+  the engine's per-unit overhead (``fullshard bench --config overhead``).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "TinyUnits"]
 
 
 @dataclass(kw_only=True)
@@ -120,3 +126,24 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Number of unique parameters (tied weights counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+class TinyUnits(nn.Module):
+    """``units`` blocks of ``LayerNorm(width)`` + ``Linear(width, width)``, applied in sequence.
+
+    ``forward(x[B, width]) -> [B, width]``. Each block (``self.blocks[i]``) is meant to be one
+    sharding unit; the root holds no parameters of its own.
+    """
+
+    def __init__(self, units: int = 64, width: int = 32) -> None:
+        super().__init__()
+        if units < 1 or width < 1:
+            raise ValueError(f"TinyUnits needs units >= 1 and width >= 1, got {units}, {width}")
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(units)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

@@ -1,0 +1,120 @@
+"""Dependencies point one way: engine <- checkpoint / memory / models / peers <- train / bench.
+
+Read from the source with ``ast`` (every ``import`` statement, including ones inside functions),
+so a lazy import cannot hide an edge. A module's layer is its first package below ``fullshard``
+(``fullshard.bench.worker`` -> ``bench``); every module outside the named layers (``api``,
+``hooks``, ``collectives``, ``testing``, and whatever the engine adds) is ``engine``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fullshard"
+
+#: layer -> the layers its modules may import from.
+MAY_IMPORT: dict[str, set[str]] = {
+    "engine": {"engine"},
+    "models": set(),  # models never import fullshard: sharding is applied from outside
+    "peers": {"engine"},
+    "checkpoint": {"engine", "checkpoint"},
+    "memory": {"engine", "memory", "models", "peers"},
+    "train": {"engine", "train", "checkpoint", "memory", "models", "peers"},
+    "bench": {"engine", "bench", "checkpoint", "memory", "models", "peers"},
+    "cli": set(),  # dispatches to each tool by name (importlib), importing none of them
+    "__main__": {"cli"},
+}
+
+#: The only module allowed to import torch FSDP2 (the comparison tools' peer engine).
+FSDP2_IMPORTERS = {"fullshard.peers"}
+
+
+def _layer(module: str) -> str:
+    """``fullshard.bench.worker`` -> ``bench``; ``fullshard.hooks`` / ``fullshard`` -> ``engine``."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in MAY_IMPORT:
+        return parts[1]
+    return "engine"
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_package else parts), is_package
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) for every import in ``path``; ``from a import b`` gives both
+    ``a`` and ``a.b`` (``b`` may be a submodule, e.g. ``from fullshard import checkpoint``)."""
+    name, is_package = _module_name(path)
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.append((node.lineno, module))
+            out += [(node.lineno, f"{module}.{a.name}") for a in node.names if a.name != "*"]
+    return out
+
+
+def _sources() -> list[Path]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 20, f"found only {len(files)} modules under {PACKAGE}"
+    return files
+
+
+def test_layer_rule_table_covers_the_tool_packages() -> None:
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert {"train", "bench", "memory", "checkpoint"} <= subpackages
+    assert {"models", "peers"} <= {p.stem for p in PACKAGE.glob("*.py")}
+
+
+def test_imports_point_one_way() -> None:
+    bad = []
+    for path in _sources():
+        name, _ = _module_name(path)
+        layer = _layer(name)
+        for line, target in _imports(path):
+            if target.split(".")[0] != "fullshard":
+                continue
+            to = _layer(target)
+            if to != layer and to not in MAY_IMPORT[layer]:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({layer}) imports {target}")
+    assert not bad, (
+        "imports against the layering (engine <- checkpoint/memory/models/peers <- train/bench; "
+        "see MAY_IMPORT in tests/test_layering.py):\n  " + "\n  ".join(sorted(set(bad)))
+    )
+
+
+def test_only_peers_imports_torch_fsdp2() -> None:
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+        for path in _sources()
+        if _module_name(path)[0] not in FSDP2_IMPORTERS
+        for line, target in _imports(path)
+        if target.startswith("torch.distributed.fsdp")
+    ]
+    assert not bad, "only fullshard.peers may import torch FSDP2:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "layer"),
+    [
+        ("fullshard", "engine"),
+        ("fullshard.hooks", "engine"),
+        ("fullshard.bench.worker", "bench"),
+        ("fullshard.models", "models"),
+        ("fullshard.checkpoint", "checkpoint"),
+    ],
+)
+def test_layer_of(module: str, layer: str) -> None:
+    assert _layer(module) == layer
