@@ -143,108 +143,99 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def reference(kind: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """One process, same optimizers, unsharded (the oracle)."""
+def reference(kind: str) -> dict[str, dict[str, torch.Tensor]]:
+    """One process, same optimizers, unsharded (the oracle): weights after SAVE_AT + 1 steps
+    (``next``) and at the end (``final``)."""
     model = make_model()
     opt = make_optimizer(model, kind, sharded=False)
-    for step in range(steps):
+    out = {}
+    for step in range(STEPS):
         norm = train_step(model, opt, step, clip=_clip(kind))
         assert kind != "shampoo" or norm > _clip(kind)  # the clipping is real
-    return full_weights(model)
+        if step == SAVE_AT:
+            out["next"] = full_weights(model)
+    out["final"] = full_weights(model)
+    return out
 
 
-def dp_rank() -> tuple[int, int]:
-    return dist.get_rank(), dist.get_world_size()
-
-
-def train(kind: str, mesh: DeviceMesh | None = None, steps: int = STEPS, **policies: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+def train(
+    kind: str, mesh: DeviceMesh | None = None, save: str | None = None, **policies: Any
+) -> dict[str, Any]:
+    """Train STEPS steps sharded. Before step SAVE_AT: save to ``save`` (if given) and, for
+    Muon on a 1-D mesh, step a twin loaded through ``state_dict()``. Returns the weights after
+    SAVE_AT + 1 steps (``next``), at the end (``final``), the twin's, each step's traffic and
+    what this rank owns."""
     model = make_model(mesh, **policies)
     opt = make_optimizer(model, kind, sharded=kind != "plain_muon")
-    for step in range(steps):
-        train_step(model, opt, step, _dp(kind, dp_rank()), _clip(kind))
-    return model, opt
+    out: dict[str, Any] = {"traffic": []}
+    dp = _dp(kind, (dist.get_rank(), dist.get_world_size()))
+    for step in range(STEPS):
+        if step == SAVE_AT and save is not None:
+            ckpt.save(save, model=model, optimizer=opt)
+        if step == SAVE_AT and kind == "muon" and mesh is None:
+            sd = copy.deepcopy(opt.state_dict())  # AdamW's state dict holds its live tensors
+            twin = make_model(mesh, **policies)
+            twin.load_state_dict(model.state_dict())
+            twin_opt = make_optimizer(twin, kind, sharded=True)
+            twin_opt.load_state_dict(sd)
+            train_step(twin, twin_opt, step, dp, _clip(kind))
+            out["twin"] = full_weights(twin)
+        train_step(model, opt, step, dp, _clip(kind))
+        if kind == "muon":
+            t = opt.optimizers[0].last_step_traffic  # type: ignore[attr-defined]
+            out["traffic"].append((t.sent_bytes, t.received_bytes, t.exchanges))
+        if step == SAVE_AT:
+            out["next"] = full_weights(model)
+    out["final"] = full_weights(model)
+    if kind == "muon":
+        out["owns"] = owns(model, opt.optimizers[0])  # type: ignore[attr-defined]
+    return out
 
 
-def traffic_case() -> dict[str, Any]:
-    """Bytes moved by each step and optimizer state held, per rank, against the bounds."""
-    model = make_model()
+def owns(model: nn.Module, opt: WholeTensor) -> dict[str, Any]:
+    """What this rank owns and holds, to check traffic and optimizer memory against."""
     matrices, _ = split(model)
-    opt = WholeTensor(torch.optim.Muon, matrices, lr=0.05)
-    me = dist.get_rank()
+    mesh = matrices[0].device_mesh  # type: ignore[attr-defined]
+    me = mesh.get_local_rank(mesh.ndim - 1)
     owned = [p for p in matrices if opt.owner_of(p) == me]
-    own_slice = sum(p._local_tensor.numel() * 4 for p in owned)  # type: ignore[attr-defined]
-    steps = []
-    for step in range(3):
-        train_step(model, opt, step, dp_rank())
-        t = opt.last_step_traffic
-        steps.append((t.sent_bytes, t.received_bytes, t.exchanges))
+    local = {id(p): p._local_tensor.numel() * 4 for p in matrices}  # type: ignore[attr-defined]
     return {
-        "steps": steps,
         "owned_bytes": sum(p.numel() * 4 for p in owned),
-        "own_slice_bytes": own_slice,
+        "own_slice_bytes": sum(local[id(p)] for p in owned),
+        "others_local_bytes": sum(local[id(p)] for p in matrices if opt.owner_of(p) != me),
         "n_owned": len(owned),
-        "others_local_bytes": sum(
-            p._local_tensor.numel() * 4 for p in matrices if opt.owner_of(p) != me  # type: ignore[attr-defined]
-        ),
         "state": opt.state_bytes(),
         "total_bytes": sum(p.numel() * 4 for p in matrices),
     }
 
 
 def _two_ranks(root: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kind in ("muon", "shampoo", "plain_muon"):
-        model, _ = train(kind)
-        out[kind] = full_weights(model)
-    out["traffic"] = traffic_case()
-    # state_dict() / load_state_dict() round trip into a fresh model and optimizer.
-    model, opt = train("muon", steps=SAVE_AT)
-    sd = copy.deepcopy(opt.state_dict())  # AdamW's state dict holds its live tensors
-    twin = make_model()
-    twin.load_state_dict(model.state_dict())
-    twin_opt = make_optimizer(twin, "muon", sharded=True)
-    twin_opt.load_state_dict(sd)
-    train_step(model, opt, SAVE_AT)
-    train_step(twin, twin_opt, SAVE_AT)
-    out["round_trip"] = (full_weights(model), full_weights(twin))
-    # Save after SAVE_AT steps (the 3-rank spawn resumes it); the oracle's next step.
-    for kind in ("muon", "shampoo"):
-        model, opt = train(kind, steps=SAVE_AT)
-        ckpt.save(f"{root}/{kind}", model=model, optimizer=opt)
-        train_step(model, opt, SAVE_AT, _dp(kind, dp_rank()), _clip(kind))
-        out[f"next_{kind}"] = full_weights(model)
-    return out
+    return {
+        kind: train(kind, save=None if kind == "plain_muon" else f"{root}/{kind}")
+        for kind in ("muon", "shampoo", "plain_muon")
+    }
 
 
 def _three_ranks(root: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    model, _ = train("muon", offload_policy=CPUOffloadPolicy())
-    out["muon_offload"] = full_weights(model)
+    out: dict[str, Any] = {"muon_offload": train("muon", offload_policy=CPUOffloadPolicy())}
     for kind in ("muon", "shampoo"):
         model = make_model()
         opt = make_optimizer(model, kind, sharded=True)
+        if kind == "muon":  # a step first: the owners' masters go stale at the load
+            train_step(model, opt, 0, _dp(kind, (dist.get_rank(), 3)), _clip(kind))
         ckpt.load(f"{root}/{kind}", model=model, optimizer=opt)
-        train_step(model, opt, SAVE_AT, _dp(kind, dp_rank()), _clip(kind))
+        train_step(model, opt, SAVE_AT, _dp(kind, (dist.get_rank(), 3)), _clip(kind))
         out[f"resumed_{kind}"] = full_weights(model)
     return out
 
 
 def _four_ranks() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    model, _ = train("muon")
-    out["muon"] = full_weights(model)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = make_model(mesh)
-    opt = make_optimizer(model, "muon", sharded=True)
-    for step in range(STEPS):
-        train_step(model, opt, step)
-    out["hsdp"] = full_weights(model)
-    return out
+    return {"muon": train("muon"), "hsdp": train("muon", mesh)}
 
 
 def _one_rank() -> dict[str, Any]:
-    model, _ = train("muon")
-    return {"muon": full_weights(model)}
+    return {"muon": train("muon")}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -254,9 +245,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def refs() -> dict[str, Any]:
-    out = {kind: reference(kind) for kind in ("muon", "shampoo")}
-    out.update({f"next_{k}": reference(k, SAVE_AT + 1) for k in ("muon", "shampoo")})
-    return out
+    return {kind: reference(kind) for kind in ("muon", "shampoo")}
 
 
 @pytest.fixture(scope="module")
@@ -268,72 +257,67 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]],
 def test_two_ranks_match_one_process(two: Any, refs: dict[str, Any]) -> None:
     (r0, r1), _ = two
     for kind in ("muon", "shampoo"):
-        assert _max_diff(r0[kind], refs[kind]) < 1e-5, kind
-        assert _max_diff(r0[kind], r1[kind]) == 0.0
-    assert torch.equal(r0["muon"]["frozen.weight"], make_model().frozen.weight)
+        assert _max_diff(r0[kind]["final"], refs[kind]["final"]) < 1e-5, kind
+        assert _max_diff(r0[kind]["final"], r1[kind]["final"]) == 0.0
+    assert torch.equal(r0["muon"]["final"]["frozen.weight"], make_model().frozen.weight)
 
 
 def test_plain_muon_on_shards_drifts(two: Any, refs: dict[str, Any]) -> None:
     (r0, _), _ = two
-    drift = _max_diff(r0["plain_muon"], refs["muon"])
+    drift = _max_diff(r0["plain_muon"]["final"], refs["muon"]["final"])
     assert drift > 1e-3, drift  # the update of a row shard is not the matrix's
 
 
 def test_traffic_and_state_bounds(two: Any) -> None:
     (r0, r1), _ = two
-    t0, t1 = r0["traffic"], r1["traffic"]
-    for t in (t0, t1):
-        first, *rest = t["steps"]
-        assert first[2] == 3  # first step: masters filled from the shards, then out and back
-        assert all(exchanges == 2 for _, _, exchanges in rest)  # one exchange out, one back
+    t0, t1 = r0["muon"]["owns"], r1["muon"]["owns"]
+    steps0, steps1 = r0["muon"]["traffic"], r1["muon"]["traffic"]
+    for t, steps in ((t0, steps0), (t1, steps1)):
+        assert steps[0][2] == 3  # first step: masters filled from the shards, then out and back
+        assert all(exchanges == 2 for _, _, exchanges in steps[1:])  # one out, one back
         assert t["state"]["state"] == t["owned_bytes"]  # Muon: one momentum per owned matrix
         assert t["state"]["master"] == t["owned_bytes"]
-    for step in (1, 2):
-        sent = t0["steps"][step][0] + t1["steps"][step][0]
-        assert sent == t0["steps"][step][1] + t1["steps"][step][1]
+    payload = 2 * sum(t["owned_bytes"] - t["own_slice_bytes"] for t in (t0, t1))
+    pieces = t0["n_owned"] + t1["n_owned"]
+    for (s0, g0, _), (s1, g1, _) in zip(steps0[1:], steps1[1:]):
+        assert s0 + s1 == g0 + g1  # what one rank sends the other receives
         # Each tensor's gradient rows go to its owner once and its rows come back once: the
         # payload is 2 x (bytes - the owner's own rows), plus a 16-byte header per peer and
         # 16-byte alignment of each piece; at most 2 x the owned tensors' bytes.
-        payload = 2 * sum(t["owned_bytes"] - t["own_slice_bytes"] for t in (t0, t1))
-        pieces = sum(t["n_owned"] for t in (t0, t1))
-        assert payload <= sent <= payload + 2 * 16 + 2 * 16 * pieces
-        assert sent <= 2 * t0["total_bytes"]
-        for t in (t0, t1):  # per rank: its rows of others' tensors, and its owned rows back
-            assert t["steps"][step][0] <= t["others_local_bytes"] + t["owned_bytes"] + 16 * (pieces + 1)
+        assert payload <= s0 + s1 <= payload + 2 * 16 + 2 * 16 * pieces
+        assert s0 + s1 <= 2 * t0["total_bytes"]
+        for t, sent in ((t0, s0), (t1, s1)):  # its rows of others' tensors, its owned rows back
+            assert sent <= t["others_local_bytes"] + t["owned_bytes"] + 16 * (pieces + 1)
     # Owned bytes partition the matrices, balanced within the largest matrix; counts uneven.
     assert t0["owned_bytes"] + t1["owned_bytes"] == t0["total_bytes"]
     assert abs(t0["owned_bytes"] - t1["owned_bytes"]) <= 20 * 12 * 4
     assert t0["n_owned"] != t1["n_owned"]
 
 
-def test_state_dict_round_trip(two: Any) -> None:
+def test_state_dict_round_trip(two: Any, refs: dict[str, Any]) -> None:
     (r0, _), _ = two
-    a, b = r0["round_trip"]
-    assert _max_diff(a, b) == 0.0
-
-
-@pytest.fixture(scope="module")
-def three(two: Any) -> list[dict[str, Any]]:
-    _, root = two
-    return run_distributed(_three_ranks, 3, str(root), timeout=240)
-
-
-def test_three_ranks_offload_and_resume_from_two(two: Any, three: Any, refs: dict[str, Any]) -> None:
-    (r0, _), _ = two
-    assert _max_diff(three[0]["muon_offload"], refs["muon"]) < 1e-5
+    assert _max_diff(r0["muon"]["twin"], r0["muon"]["next"]) == 0.0
     for kind in ("muon", "shampoo"):
-        assert _max_diff(r0[f"next_{kind}"], refs[f"next_{kind}"]) < 1e-5
+        assert _max_diff(r0[kind]["next"], refs[kind]["next"]) < 1e-5
+
+
+def test_three_ranks_offload_and_resume_from_two(two: Any, refs: dict[str, Any]) -> None:
+    (r0, _), root = two
+    three = run_distributed(_three_ranks, 3, str(root), timeout=240)
+    assert _max_diff(three[0]["muon_offload"]["final"], refs["muon"]["final"]) < 1e-5
+    for kind in ("muon", "shampoo"):
         # Resumed on 3 ranks from the 2-rank save: the uninterrupted run's next step.
-        assert _max_diff(three[0][f"resumed_{kind}"], r0[f"next_{kind}"]) < 1e-6, kind
+        assert _max_diff(three[0][f"resumed_{kind}"], r0[kind]["next"]) < 1e-6, kind
 
 
 def test_four_ranks_and_hsdp(refs: dict[str, Any]) -> None:
     out = run_distributed(_four_ranks, 4, timeout=240)
-    assert _max_diff(out[0]["muon"], refs["muon"]) < 1e-5
-    assert _max_diff(out[0]["hsdp"], refs["muon"]) < 1e-5
-    assert all(_max_diff(o["hsdp"], out[0]["hsdp"]) == 0.0 for o in out)
+    for case in ("muon", "hsdp"):
+        assert _max_diff(out[0][case]["final"], refs["muon"]["final"]) < 1e-5, case
+        assert all(_max_diff(o[case]["final"], out[0][case]["final"]) == 0.0 for o in out)
 
 
 def test_one_rank(refs: dict[str, Any]) -> None:
     (out,) = run_distributed(_one_rank, 1, timeout=120)
-    assert _max_diff(out["muon"], refs["muon"]) < 1e-5
+    assert _max_diff(out["muon"]["final"], refs["muon"]["final"]) < 1e-5
+    assert out["muon"]["traffic"][-1][:2] == (0, 0)  # nothing to exchange on one rank
