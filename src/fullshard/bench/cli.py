@@ -6,6 +6,7 @@ Examples::
     fullshard bench --config comm --json  # communication-bound config, machine-readable
     fullshard bench --config memory       # ~150M params on 1, 2 and 4 ranks
     fullshard bench --all --markdown out.md
+    fullshard bench --config optim --nproc 4  # WholeTensor(Muon) vs AdamW vs naive, per step
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
         "ranks; report step time, tokens/s, ratios, peak RSS per rank, collective traffic vs "
         "ZeRO-3 theory, exposed communication, and a loss check.",
     )
-    p.add_argument("--config", choices=sorted(CONFIGS), default="speed")
+    p.add_argument(
+        "--config",
+        choices=sorted([*CONFIGS, "optim"]),
+        default="speed",
+        help="optim: the optimizer step of Muon on whole matrices vs AdamW vs all-gather-all",
+    )
     p.add_argument("--all", action="store_true", help="run speed, comm and memory")
     p.add_argument("--nproc", help="ranks, or a comma list of world sizes (e.g. 1,2,4)")
     p.add_argument("--steps", type=int, help="steps per run (config default otherwise)")
@@ -100,6 +106,10 @@ def run(cfgs: list[BenchConfig], *, timeout: float, quiet: bool = False) -> dict
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.config == "optim":
+        from fullshard.bench import optim
+
+        return optim.main(args)
     names = ["speed", "comm", "memory"] if args.all else [args.config]
     try:
         cfgs = [_configure(args, n) for n in names]
