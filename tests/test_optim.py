@@ -38,8 +38,13 @@ class Net(nn.Module):
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(
             nn.Sequential(
-                nn.Linear(DIM, 20, bias=False), nn.Tanh(), nn.Linear(20, 5, bias=False),
-                nn.Tanh(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, DIM, bias=False),
+                nn.Linear(DIM, 20, bias=False),
+                nn.Tanh(),
+                nn.Linear(20, 5, bias=False),
+                nn.Tanh(),
+                nn.Linear(5, 3),
+                nn.Tanh(),
+                nn.Linear(3, DIM, bias=False),
                 nn.LayerNorm(DIM),
             )
             for _ in range(2)
@@ -104,10 +109,18 @@ def make_optimizer(model: nn.Module, kind: str, sharded: bool) -> torch.optim.Op
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(
+        0, VOCAB, (BATCH, SEQ), generator=g
+    )
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, dp: tuple[int, int] = (0, 1), clip: float = 1e3) -> float:
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    dp: tuple[int, int] = (0, 1),
+    clip: float = 1e3,
+) -> float:
     """One step on this data-parallel rank's slice ``dp = (index, count)`` of the batch, with
     gradient clipping to ``clip``; returns the gradient norm before clipping."""
     x, y = batch(step)

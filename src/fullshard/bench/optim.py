@@ -108,7 +108,7 @@ def _worker(cfg: OptimBenchConfig, mode: str) -> dict[str, Any]:
         fully_shard(block)
     fully_shard(model)
     params = list(model.parameters())
-    muon = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    muon: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
     opt: torch.optim.Optimizer
     if mode == "wholetensor":
         opt = WholeTensor(torch.optim.Muon, params, **muon)
@@ -124,8 +124,9 @@ def _worker(cfg: OptimBenchConfig, mode: str) -> dict[str, Any]:
         for p in params:
             local = p._local_tensor  # type: ignore[attr-defined]
             g = torch.randn(local.shape, generator=gen)
+            assert isinstance(p, DTensor)
             p.grad = DTensor.from_local(
-                g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()  # type: ignore[attr-defined]
+                g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
             )
         dist.barrier()
         start = time.perf_counter()
@@ -200,8 +201,10 @@ def main(args: argparse.Namespace) -> int:
     cfg = OptimBenchConfig(**changes)
     bad = [m for m in cfg.modes if m not in MODES]
     if bad or not 0 <= cfg.warmup < cfg.steps:
-        print(f"fullshard bench --config optim: modes from {list(MODES)}, 0 <= warmup < steps",
-              flush=True)
+        print(
+            f"fullshard bench --config optim: modes from {list(MODES)}, 0 <= warmup < steps",
+            flush=True,
+        )
         return 2
     result = run(cfg, timeout=args.timeout)
     if args.out:

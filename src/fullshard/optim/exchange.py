@@ -61,7 +61,9 @@ def _comm_device(group: dist.ProcessGroup, device: torch.device) -> torch.device
     return device
 
 
-def _bytes_view(buf: torch.Tensor, at: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+def _bytes_view(
+    buf: torch.Tensor, at: int, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
     n = 1
     for s in shape:
         n *= s
@@ -176,7 +178,9 @@ def scatter(
             if r == me:
                 out.copy_(lay.piece(full, r))
             else:
-                _bytes_view(send, cursor[r], out.dtype, lay.piece_shape(r)).copy_(lay.piece(full, r))
+                _bytes_view(send, cursor[r], out.dtype, lay.piece_shape(r)).copy_(
+                    lay.piece(full, r)
+                )
                 cursor[r] += _padded(_nbytes(lay, r, out.dtype))
     recv = _all_to_all(group, send, send_splits, recv_splits, device)
     read = [sum(recv_splits[:r]) for r in range(size)]

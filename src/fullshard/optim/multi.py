@@ -75,7 +75,8 @@ class MultiOptimizer(torch.optim.Optimizer):
             n_groups = len(o.param_groups)
             n = sum(len(g["params"]) for g in o.param_groups)
             groups = [
-                {**g, "params": [i - offset for i in g["params"]]} for g in saved[g0 : g0 + n_groups]
+                {**g, "params": [i - offset for i in g["params"]]}
+                for g in saved[g0 : g0 + n_groups]
             ]
             part = {i - offset: v for i, v in state.items() if offset <= i < offset + n}
             o.load_state_dict({"state": part, "param_groups": groups})

@@ -39,8 +39,12 @@ class Shampoo(torch.optim.Optimizer):
                 f"Shampoo: need lr >= 0, eps > 0, precondition_every >= 1; got lr={lr}, "
                 f"eps={eps}, precondition_every={precondition_every}"
             )
-        defaults = {"lr": lr, "eps": eps, "weight_decay": weight_decay,
-                    "precondition_every": precondition_every}
+        defaults = {
+            "lr": lr,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "precondition_every": precondition_every,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -60,8 +64,12 @@ class Shampoo(torch.optim.Optimizer):
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     if p.dim() == 2:
-                        state["L"] = torch.zeros(p.shape[0], p.shape[0], dtype=p.dtype, device=p.device)
-                        state["R"] = torch.zeros(p.shape[1], p.shape[1], dtype=p.dtype, device=p.device)
+                        state["L"] = torch.zeros(
+                            p.shape[0], p.shape[0], dtype=p.dtype, device=p.device
+                        )
+                        state["R"] = torch.zeros(
+                            p.shape[1], p.shape[1], dtype=p.dtype, device=p.device
+                        )
                     else:
                         state["sum_sq"] = torch.zeros_like(p)
                 state["step"] += 1

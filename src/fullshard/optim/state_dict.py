@@ -40,21 +40,29 @@ def _describe(value: Any) -> list[Any]:
         return ["t", dtype, list(value.shape)]
     if value is None or isinstance(value, bool | int | float | str):
         return ["s", value]
-    raise TypeError(f"WholeTensor: optimizer state value of type {type(value).__name__} cannot "
-                    "be presented as a state dict (tensors and JSON scalars only)")
+    raise TypeError(
+        f"WholeTensor: optimizer state value of type {type(value).__name__} cannot "
+        "be presented as a state dict (tensors and JSON scalars only)"
+    )
 
 
 def _split_dim(item: _Item, shape: tuple[int, ...]) -> int:
     return item.layout.dim if shape == item.layout.shape else 0
 
 
-def _wrap(param: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], dim: int) -> torch.Tensor:
+def _wrap(
+    param: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], dim: int
+) -> torch.Tensor:
     """``local`` as a DTensor on ``param``'s mesh, split along ``dim`` where it splits."""
     if not isinstance(param, DTensor):
         return local
     placements = tuple(Shard(dim) if type(p) is Shard else p for p in param.placements)
     return DTensor.from_local(
-        local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+        local,
+        param.device_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
         stride=torch.empty(shape, device="meta").stride(),
     )
 
@@ -68,7 +76,8 @@ def sharded_state(opt: WholeTensor) -> dict[int, dict[str, Any]]:
         if item.whole and item.proxy is not None and inner_state.get(item.proxy):
             out[index[id(item)]] = {
                 name: _wrap(item.param, v, tuple(v.shape), _split_dim(item, tuple(v.shape)))
-                if isinstance(v, torch.Tensor) and v.dim() else v
+                if isinstance(v, torch.Tensor) and v.dim()
+                else v
                 for name, v in inner_state[item.proxy].items()
             }
     for items in opt._groups.values():
@@ -127,8 +136,8 @@ def load_sharded_state(opt: WholeTensor, state_dict: dict[str, Any]) -> None:
             f"{[len(g['params']) for g in saved_groups]}, this optimizer "
             f"{[len(g['params']) for g in opt.param_groups]}; build it with the same groups"
         )
-    for group, saved in zip(opt.param_groups, saved_groups):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    for outer, saved in zip(opt.param_groups, saved_groups):
+        outer.update({k: v for k, v in saved.items() if k != "params"})
     saved_state = {int(k): v for k, v in state_dict["state"].items()}
     whole: dict[int, dict[str, Any]] = {}  # item position -> its state, whole, on the owner
     positions = {id(item): n for n, item in enumerate(opt._items)}

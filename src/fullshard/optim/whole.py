@@ -102,8 +102,7 @@ class WholeTensor(torch.optim.Optimizer):
         self._validate()
         flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
         layouts = [
-            layout_of(p, f"param_groups[{gi}] parameter of shape {list(p.shape)}")
-            for gi, p in flat
+            layout_of(p, f"param_groups[{gi}] parameter of shape {list(p.shape)}") for gi, p in flat
         ]
         owners = assign_owners(layouts, [p.numel() * p.element_size() for _, p in flat])
         self._items = [_Item(p, lay, o, gi) for (gi, p), lay, o in zip(flat, layouts, owners)]
@@ -116,7 +115,10 @@ class WholeTensor(torch.optim.Optimizer):
             if item.mine:
                 item.proxy = self._new_proxy(item)
         inner_groups = [
-            {**_options(g), "params": [i.proxy for i in self._items if i.group_index == gi and i.mine]}
+            {
+                **_options(g),
+                "params": [i.proxy for i in self._items if i.group_index == gi and i.mine],
+            }
             for gi, g in enumerate(self.param_groups)
         ]
         self.inner: torch.optim.Optimizer | None = None
@@ -131,7 +133,10 @@ class WholeTensor(torch.optim.Optimizer):
         """Build the inner optimizer on meta tensors of every parameter, so a parameter it
         refuses fails on every rank (not only on its owner), with this optimizer's name."""
         groups = [
-            {**_options(g), "params": [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in g["params"]]}
+            {
+                **_options(g),
+                "params": [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in g["params"]],
+            }
             for g in self.param_groups
         ]
         try:
@@ -197,8 +202,8 @@ class WholeTensor(torch.optim.Optimizer):
                 g = item.param.grad
                 item.proxy.grad = None if g is None else local_of(g).detach()
         if self.inner is not None:
-            for inner_group, group in zip(self.inner.param_groups, self.param_groups):
-                inner_group.update(_options(group))
+            for inner_group, outer in zip(self.inner.param_groups, self.param_groups):
+                inner_group.update(_options(outer))
             self.inner.step()
         for with_grad in stepped.values():
             group, lays, owners = _plan(with_grad)
@@ -243,9 +248,15 @@ class WholeTensor(torch.optim.Optimizer):
         state = 0
         if self.inner is not None:
             for entries in self.inner.state.values():
-                state += sum(v.numel() * v.element_size() for v in entries.values() if isinstance(v, torch.Tensor))
+                state += sum(
+                    v.numel() * v.element_size()
+                    for v in entries.values()
+                    if isinstance(v, torch.Tensor)
+                )
         master = sum(
-            i.proxy.numel() * i.proxy.element_size() for i in self._items if i.proxy is not None and not i.whole
+            i.proxy.numel() * i.proxy.element_size()
+            for i in self._items
+            if i.proxy is not None and not i.whole
         )
         return {"state": state, "master": master}
 
@@ -286,4 +297,3 @@ def _plan(items: list[_Item]) -> tuple[dist.ProcessGroup | None, list[ShardLayou
     if not items:
         return None, [], []
     return items[0].layout.group, [i.layout for i in items], [i.owner for i in items]
-

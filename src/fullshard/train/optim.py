@@ -33,9 +33,13 @@ def build_optimizer(
     """
     matrices: list[nn.Parameter] = []
     if kind == "muon":
-        matrices = [p for layer in layers for p in layer.parameters() if p.requires_grad and p.dim() == 2]
+        matrices = [
+            p for layer in layers for p in layer.parameters() if p.requires_grad and p.dim() == 2
+        ]
         if not matrices:
-            raise ValueError("--optimizer muon: the model's blocks have no 2-D weights to give Muon")
+            raise ValueError(
+                "--optimizer muon: the model's blocks have no 2-D weights to give Muon"
+            )
     elif kind != "adamw":
         raise ValueError(f"unknown optimizer {kind!r}; choose adamw or muon")
     in_muon = {id(p) for p in matrices}
