@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import fullshard.checkpoint as ckpt
 from fullshard import CPUOffloadPolicy, clip_grad_norm_, fully_shard
+from fullshard.bench import optim as bench_optim
 from fullshard.optim import MultiOptimizer, Shampoo, WholeTensor
 from fullshard.testing import run_distributed
 
@@ -223,10 +224,13 @@ def owns(model: nn.Module, opt: WholeTensor) -> dict[str, Any]:
 
 
 def _two_ranks(root: str) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         kind: train(kind, save=None if kind == "plain_muon" else f"{root}/{kind}")
         for kind in ("muon", "shampoo", "plain_muon")
     }
+    cfg = bench_optim.OptimBenchConfig(n_layer=1, d_model=8, steps=2, warmup=1)
+    out["bench"] = {m: bench_optim._worker(cfg, m) for m in bench_optim.MODES}
+    return out
 
 
 def _three_ranks(root: str) -> dict[str, Any]:
@@ -307,6 +311,32 @@ def test_traffic_and_state_bounds(two: Any) -> None:
     assert t0["n_owned"] != t1["n_owned"]
 
 
+def test_bench_optim_memory_and_bytes(two: Any) -> None:
+    (r0, r1), _ = two
+    b0, b1 = r0["bench"], r1["bench"]
+    params = b0["naive"]["param_bytes"]
+    for b in (b0, b1):
+        assert b["naive"]["state_bytes"] == 2 * params  # whole masters + momentum everywhere
+        assert b["naive"]["sent_bytes"] == params // 2  # its half of every matrix, to the peer
+        assert b["adamw"]["state_bytes"] == params + 4 * 4  # two half moments + 4 fp32 steps
+    # WholeTensor: masters + momentum of the owned matrices only, the two ranks together once.
+    assert b0["wholetensor"]["state_bytes"] + b1["wholetensor"]["state_bytes"] == 2 * params
+    rows = [
+        {
+            "mode": m,
+            "step_s": 0.1,
+            "state_bytes_per_rank": 1,
+            "sent_bytes_per_rank": 1,
+            "param_bytes": params,
+        }
+        for m in bench_optim.MODES
+    ]
+    text = bench_optim.table(
+        {"config": {"n_layer": 1, "d_model": 8, "nproc": 2, "steps": 2, "warmup": 1}, "rows": rows}
+    )
+    assert all(f"| {m} |" in text for m in bench_optim.MODES)
+
+
 def test_state_dict_round_trip(two: Any, refs: dict[str, Any]) -> None:
     (r0, _), _ = two
     assert _max_diff(r0["muon"]["twin"], r0["muon"]["next"]) == 0.0
@@ -334,3 +364,16 @@ def test_one_rank(refs: dict[str, Any]) -> None:
     (out,) = run_distributed(_one_rank, 1, timeout=120)
     assert _max_diff(out["muon"]["final"], refs["muon"]["final"]) < 1e-5
     assert out["muon"]["traffic"][-1][:2] == (0, 0)  # nothing to exchange on one rank
+
+
+def test_multi_optimizer_groups_stay_live_after_load() -> None:
+    a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    opt = MultiOptimizer(torch.optim.AdamW([a]), torch.optim.SGD([b], lr=0.1))
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())  # the children replace their group dicts
+    for group in opt.param_groups:
+        group["lr"] = 0.5  # what the trainer's schedule does
+    assert [g["lr"] for o in opt.optimizers for g in o.param_groups] == [0.5, 0.5]
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        MultiOptimizer(torch.optim.SGD([a], lr=1.0), torch.optim.SGD([a], lr=1.0))

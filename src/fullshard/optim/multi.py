@@ -26,11 +26,25 @@ class MultiOptimizer(torch.optim.Optimizer):
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         if not optimizers:
             raise ValueError("MultiOptimizer needs at least one optimizer")
-        # The base class checks that no parameter is in two optimizers; then the children's
-        # own group dicts replace the copies it made.
+        # The base class checks that no parameter is in two optimizers (into a list of its
+        # own, see the param_groups setter); from then on the children's groups are read live.
+        self.optimizers: list[torch.optim.Optimizer] = []
         super().__init__([{"params": g["params"]} for o in optimizers for g in o.param_groups], {})
         self.optimizers = list(optimizers)
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The children's param groups, read live: a child's ``load_state_dict`` replaces its
+        group dicts, and an ``lr`` set here must still reach it."""
+        if not self.optimizers:
+            return self._init_groups
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if self.optimizers:
+            raise AttributeError("MultiOptimizer.param_groups are its children's; set theirs")
+        self._init_groups = groups
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -17,8 +17,9 @@ The owner keeps a whole copy of each tensor it owns (its *master*, as many bytes
 it owns: ~1/N of the parameters), so parameters never travel at a step: bytes per step are the
 owned gradients out and the owned parameters back, 2 x (N-1)/N of the owned bytes. A master is
 refreshed from the shards whenever any rank's shard of it changed outside the optimizer (a
-checkpoint load, a manual edit: detected from the local tensor's identity and version counter
-and signalled in the exchange's header, so it costs no extra collective). Whole tensors (plain
+checkpoint load, a manual edit: detected from the local tensor's identity and a hash of its
+contents, see [Note: why shards are hashed], and signalled in the exchange's header, so it
+costs no extra collective). Whole tensors (plain
 tensors, replicated DTensors, world size 1) are optimized in place on every rank, with no
 communication. HSDP replicas run identical exchanges in their own shard groups.
 """
@@ -38,7 +39,32 @@ from .layout import ShardLayout, assign_owners, layout_of, local_of
 
 __all__ = ["WholeTensor"]
 
-_Fingerprint = tuple[int, int, int]  # id, data_ptr and version of a local shard
+_Fingerprint = tuple[int, int, int]  # id, data_ptr and content hash of a local shard
+_HASH_CHUNK = 1 << 20  # elements hashed per kernel; the weights vector is this long
+_hash_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def content_hash(t: torch.Tensor) -> int:
+    """A position-weighted sum (mod 2**64) of ``t``'s bits: changes when any element does.
+
+    [Note: why shards are hashed] The version counter is not enough: loads that copy through
+    ``.data`` (``load_state_dict`` on DTensor parameters does) leave it unchanged. Hashing
+    reads each local shard once per step, about what an element-wise optimizer reads.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.contiguous().view(ints)
+    w = _hash_weights.get(t.device)
+    if w is None:
+        w = torch.arange(_HASH_CHUNK, dtype=torch.int64, device=t.device) * 0x9E3779B1 + 0x7F4A7C15
+        _hash_weights[t.device] = w
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, bits.numel(), _HASH_CHUNK):
+        chunk = bits[start : start + _HASH_CHUNK].to(torch.int64)
+        total += (chunk * w[: chunk.numel()]).sum()
+    return int(total.item())
 
 
 class _Item:
@@ -69,7 +95,7 @@ class _Item:
 
     def current_fingerprint(self) -> _Fingerprint:
         t = local_of(self.param)
-        return (id(t), t.data_ptr(), t._version)
+        return (id(t), t.data_ptr(), 0 if self.whole else content_hash(t))
 
 
 class WholeTensor(torch.optim.Optimizer):
