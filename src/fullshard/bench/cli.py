@@ -7,6 +7,7 @@ Examples::
     fullshard bench --config memory       # ~150M params on 1, 2 and 4 ranks
     fullshard bench --config overhead     # engine CPU cost per unit per step, 1 and 2 ranks
     fullshard bench --all --markdown out.md
+    fullshard bench --config optim --nproc 4  # WholeTensor(Muon) vs AdamW vs naive, per step
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--config",
-        choices=[*sorted(CONFIGS), "overhead"],
+        choices=sorted([*CONFIGS, "overhead", "optim"]),
         default="speed",
-        help="overhead: many tiny units, engine cost per unit per step vs the bare model",
+        help="overhead: many tiny units, engine cost per unit per step vs the bare model; "
+        "optim: the optimizer step of Muon on whole matrices vs AdamW vs all-gather-all",
     )
     p.add_argument("--all", action="store_true", help="run speed, comm and memory")
     p.add_argument("--nproc", help="ranks, or a comma list of world sizes (e.g. 1,2,4)")
@@ -190,6 +192,10 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.config == "overhead":
         return _main_overhead(args)
+    if args.config == "optim":
+        from fullshard.bench import optim
+
+        return optim.main(args)
     wrong = _given(args, _OVERHEAD_ONLY)
     if wrong:
         print(f"fullshard bench: {wrong} apply to --config overhead only", file=sys.stderr)

@@ -11,7 +11,7 @@ the run's tokenizer files when it had a tokenizer:
 - a Hugging Face causal LM (trained with ``--hf-config`` / ``--hf-model``) loads with
   ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``;
 - fullshard's built-in GPT writes ``{"model_type": "fullshard_gpt", ...}`` (its
-  :class:`~fullshard.train.model.GPTConfig` fields) and loads with
+  :class:`~fullshard.models.GPTConfig` fields) and loads with
   ``fullshard.train.models.load_exported(DIR)``.
 
 What the model is comes from the checkpoint itself: ``fullshard train`` records it in the

@@ -170,6 +170,11 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: b
         return snap
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     snap.optim_groups = []
+    # The state comes through the optimizer's own state_dict() (keyed by position), not from
+    # optimizer.state: an optimizer that keeps its state elsewhere (fullshard.optim.WholeTensor
+    # holds each tensor's state whole on one owner rank) presents it there in sharded form.
+    packed = optimizer.state_dict()["state"]
+    position = 0
     for gi, group in enumerate(optimizer.param_groups):
         fqns: list[str] = []
         for p in group["params"]:
@@ -181,7 +186,9 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: b
                 )
             fqn = found
             fqns.append(fqn)
-            for state_name, v in optimizer.state.get(p, {}).items():
+            entries = packed.get(position, {})
+            position += 1
+            for state_name, v in entries.items():
                 where = f"optimizer state {fqn!r}[{state_name!r}]"
                 if isinstance(v, torch.Tensor):
                     name = f"optim/{fqn}/{state_name}"

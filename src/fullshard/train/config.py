@@ -144,6 +144,10 @@ class TrainConfig:
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: torch.optim.Muon on the 2-D weights of the blocks, stepped on whole
+    matrices (fullshard.optim.WholeTensor; same --lr and --weight-decay, RMS-matched to AdamW),
+    AdamW on embeddings, head and 1-D parameters."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     max_skipped_steps: int = 10

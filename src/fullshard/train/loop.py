@@ -282,7 +282,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         activation_checkpointing=cfg.activation_checkpointing,
         compile=cfg.compile,
     )
-    parallelize(model, units_of(model), plan, mesh=mesh)
+    units = units_of(model)
+    parallelize(model, units, plan, mesh=mesh)
     if meta:
         torch.manual_seed(cfg.seed)
         materialize(model, env.device)
@@ -290,7 +291,12 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             ckpt.load_full_state_dict_from_file(model, cfg.hf_weights_source)
     model_description = describe(model)
     optimizer = build_optimizer(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.beta1, cfg.beta2),
+        kind=cfg.optimizer,
+        layers=units.layers,
     )
     scaler = LossScaler(cfg.mixed_precision == "fp16")
 

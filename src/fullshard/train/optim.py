@@ -1,4 +1,4 @@
-"""AdamW over sharded parameters, its warm-up + cosine schedule, and fp16 loss scaling.
+"""AdamW (or Muon + AdamW) over sharded parameters, its warm-up + cosine schedule, and fp16 loss scaling.
 
 The schedule is a pure function of the step, so nothing about it needs checkpointing; the
 loss scaler's state is a small JSON-able dict kept in the checkpoint's ``extra``.
@@ -7,6 +7,7 @@ loss scaler's state is a small JSON-able dict kept in the checkpoint's ``extra``
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -15,18 +16,49 @@ __all__ = ["LossScaler", "build_optimizer", "lr_at"]
 
 
 def build_optimizer(
-    model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
-) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not biases, norm scales or 1-D params)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    kind: str = "adamw",
+    layers: Sequence[nn.Module] = (),
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not biases, norm scales or 1-D params).
+
+    ``kind="muon"``: ``torch.optim.Muon`` on the 2-D weights of ``layers`` (the blocks), run on
+    whole matrices by :class:`fullshard.optim.WholeTensor`, with the same ``lr`` and weight
+    decay (``adjust_lr_fn="match_rms_adamw"`` scales its update to AdamW's RMS), and AdamW as
+    above on everything else (embeddings, head, 1-D parameters).
+    """
+    matrices: list[nn.Parameter] = []
+    if kind == "muon":
+        matrices = [
+            p for layer in layers for p in layer.parameters() if p.requires_grad and p.dim() == 2
+        ]
+        if not matrices:
+            raise ValueError(
+                "--optimizer muon: the model's blocks have no 2-D weights to give Muon"
+            )
+    elif kind != "adamw":
+        raise ValueError(f"unknown optimizer {kind!r}; choose adamw or muon")
+    in_muon = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_muon]
     groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
     # foreach=False: one kernel per parameter keeps results bitwise identical to an
     # unsharded reference regardless of how parameters are grouped.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+    adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+    if not matrices:
+        return adamw
+    from fullshard.optim import MultiOptimizer, WholeTensor
+
+    muon = WholeTensor(
+        torch.optim.Muon, matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
+    )
+    return MultiOptimizer(muon, adamw)
 
 
 def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:

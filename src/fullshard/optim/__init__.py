@@ -1,0 +1,17 @@
+"""Optimizers for fully sharded models that need whole tensors (Muon, Shampoo, ...).
+
+- :class:`WholeTensor`: run any per-tensor ``torch.optim.Optimizer`` on whole tensors of a
+  sharded model, exactly (each tensor stepped by one owner rank).
+- :class:`MultiOptimizer`: several optimizers over disjoint parameters as one (Muon on the
+  matrices, AdamW on the rest).
+- :class:`Shampoo`: a small whole-matrix preconditioner optimizer (a reference and test case).
+
+See ``docs/optim.md``.
+"""
+
+from .exchange import Traffic
+from .multi import MultiOptimizer
+from .shampoo import Shampoo
+from .whole import WholeTensor
+
+__all__ = ["MultiOptimizer", "Shampoo", "Traffic", "WholeTensor"]
