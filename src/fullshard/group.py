@@ -125,7 +125,7 @@ class ParamGroup:
             if sp.requires_grad:
                 up.register_post_accumulate_grad_hook(lambda _p, sp=sp: on_grad_accumulated(sp))
             sp.unsharded_param = up
-        buf.untyped_storage().resize_(0)
+        self._release()
         self._layout_key = key
 
     def regions(self) -> list[torch.Tensor]:
@@ -141,9 +141,17 @@ class ParamGroup:
     @property
     def unsharded_bytes_allocated(self) -> int:
         """Bytes currently held by the unsharded buffer (0 when resharded)."""
+        copies = sum(sp.unsharded_data_bytes for sp in self.params)
         if self.unsharded_buf is None:
-            return 0
-        return self.unsharded_buf.untyped_storage().nbytes()
+            return copies
+        return self.unsharded_buf.untyped_storage().nbytes() + copies
+
+    def _release(self) -> None:
+        """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes."""
+        if self.unsharded_buf is not None:
+            self.unsharded_buf.untyped_storage().resize_(0)
+        for sp in self.params:
+            sp.free_unsharded()
 
     def check_materialised(self) -> None:
         """Raise a clear error if any parameter is still on the meta device."""
@@ -188,15 +196,14 @@ class ParamGroup:
         self.post_forward_chunk = None
         if self.state is not ShardedState.SHARDED:
             self._free_unsharded(ShardedState.SHARDED)
-        elif self.unsharded_buf is not None:
-            self.unsharded_buf.untyped_storage().resize_(0)
+        else:
+            self._release()
 
     def _free_unsharded(self, new: ShardedState) -> None:
         if self.state is ShardedState.UNSHARDED:
             for sp in self.params:
                 sp.to_sharded()
-        if self.unsharded_buf is not None:  # also a gather in pieces never waited on
-            self.unsharded_buf.untyped_storage().resize_(0)
+        self._release()  # also a gather in pieces never waited on
         self._to(new)
 
     def reshard_partial(self) -> None:
