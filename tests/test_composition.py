@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from fullshard import clip_grad_norm_, fully_shard
 from fullshard import checkpoint as ckpt
+from fullshard import clip_grad_norm_, fully_shard
 from fullshard.testing import run_distributed
 from parity import GLOBAL_BATCH, batch, full_state, loss_fn, make_net, make_optimizer, shard_net
 
@@ -138,9 +138,7 @@ def _two_or_three_ranks(path: str | None) -> dict:
     out["placement"] = [(type(p).__name__, p.dim) for p in net.blocks[0].up.weight.placements]
     losses = _train(net, STEPS, dist.get_rank(), world, clip=clip_grad_norm_)
     _compare(f"shard_last_dim_{world}", losses, ref_losses, full_state(net), ref_state, out)
-    out["unsharded_after_step"] = sum(
-        st.group.unsharded_bytes_allocated for st in _states(net)
-    )
+    out["unsharded_after_step"] = sum(st.group.unsharded_bytes_allocated for st in _states(net))
     if path is None:
         return out
     # Load the TP x FSDP (2, 2) checkpoint on plain FSDP over 2 ranks.
@@ -196,11 +194,9 @@ def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
         single = _tp_net()
         ckpt.load(path, model=single)
         full = {k: v.detach() for k, v in single.state_dict().items()}
-        saved = four[0]
-        del saved
         for k, v in full.items():
             assert torch.equal(two[0]["ckpt_2"][k], v), k
-        ref_losses, ref_state = _reference(_tp_net, STEPS)
+        _, ref_state = _reference(_tp_net, STEPS)
         for k, v in ref_state.items():
             assert (full[k] - v).abs().max().item() < WEIGHT_TOL, k
     three = run_distributed(_two_or_three_ranks, 3, None)

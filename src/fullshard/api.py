@@ -75,8 +75,11 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
         ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        for sp in _state(cast(nn.Module, self)).group.params:
+        state = _state(cast(nn.Module, self))
+        for sp in state.group.params:
             sp.sync_from_modules()
+        if state.ctx is not None:  # after lazy init: a cast needs a layout in the new dtype
+            state.group.init_layout(state.on_grad_accumulated)
         return ret
 
     def _states(self, recurse: bool) -> list[FSDPState]:

@@ -72,7 +72,8 @@ class ParamGroup:
         self._gather: PendingGather | None = None  # the all-gather in flight
         self.unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
         self._grads_seen = 0
-        self._layout_key: list[int] = []  # ids of the params the layout was built for
+        # (id, dtype) of the params the layout was built for
+        self._layout_key: list[tuple[int, torch.dtype]] = []
         self.offsets: list[int] = []
         self.total = 0
 
@@ -98,7 +99,7 @@ class ParamGroup:
 
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
-        key = [id(sp) for sp in self.params]
+        key = [(id(sp), sp.orig_dtype) for sp in self.params]  # a cast rebuilds it
         if self._layout_key == key or not self.params:
             return
         if self.state is not ShardedState.SHARDED:

@@ -16,9 +16,9 @@ or an explicit ``unshard()``) then, once for the whole model:
 
 from __future__ import annotations
 
-import torch
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 

@@ -77,7 +77,7 @@ class ShardedParam:
         # unsharded form is that DTensor again ([Note: composing with DTensor parallelism]).
         self.tp_mesh: DeviceMesh | None = None
         self.tp_placements: tuple[Placement, ...] = ()
-        data = param
+        data: torch.Tensor = param
         if isinstance(param, DTensor):
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
             data = param._local_tensor
@@ -132,7 +132,9 @@ class ShardedParam:
 
     def _spmd(self, data: torch.Tensor) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The mesh and placements of the sharded DTensor (see the Note on composition)."""
-        dp: list[Placement] = [Shard(self.dim) if isinstance(p, Shard) else p for p in self.info.placements]
+        dp: list[Placement] = [
+            Shard(self.dim) if isinstance(p, Shard) else p for p in self.info.placements
+        ]
         if self.tp_mesh is None:
             return self.info.mesh, tuple(dp)
         # A dim the TP placements shard already is split again by dp: torch's _StridedShard
@@ -294,6 +296,9 @@ class ShardedParam:
         module, name = self.refs[0]
         current = module._parameters[name]
         if current is self.sharded_param:
+            # ``module.to(torch.float64)`` / ``.half()`` casts in place (``param.data = ...``):
+            # the unit rebuilds its layout for the new dtype.
+            self.orig_dtype = current.dtype
             return
         if not isinstance(current, DTensor) or current.shape != self.orig_shape:
             raise RuntimeError(
@@ -304,6 +309,7 @@ class ShardedParam:
             )
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=self.requires_grad)
+        self.orig_dtype = current.dtype
         self.sharded_param = current
         for m, n in self.refs:
             m._parameters[n] = current

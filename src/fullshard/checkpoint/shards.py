@@ -71,15 +71,13 @@ def local_box(t: torch.Tensor, what: str) -> Box:
     if any(isinstance(p, _StridedShard) for p in t.placements):
         # A dim sharded by dp inside a TP shard (fully_shard over TP, see fullshard.param):
         # still one box per rank; torch's DTensor computes it.
-        local_shape, start = compute_local_shape_and_global_offset(
-            t.shape, mesh, t.placements
-        )
-        if tuple(local_shape) != tuple(t.to_local().shape):
+        box_shape, box_start = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+        if tuple(box_shape) != tuple(t.to_local().shape):
             raise CheckpointError(
                 f"{what}: local shard has shape {list(t.to_local().shape)} but "
-                f"{t.placements} on global {list(t.shape)} give {list(local_shape)}"
+                f"{t.placements} on global {list(t.shape)} give {list(box_shape)}"
             )
-        return tuple(start), tuple(local_shape)
+        return tuple(box_start), tuple(box_shape)
     for mesh_dim, p in enumerate(t.placements):
         if isinstance(p, Replicate):
             continue
