@@ -186,7 +186,10 @@ def fully_shard(
 
     Semantics follow PyTorch FSDP2's ``fully_shard``:
 
-    - ``mesh``: 1-D (shard) or 2-D (replicate, shard) for HSDP; defaults to all ranks.
+    - ``mesh``: 1-D (shard) or 2-D (replicate, shard) for HSDP; defaults to all ranks. May be
+      a sub-mesh (``mesh["dp"]``) of a larger mesh whose other dims hold parameters that are
+      already DTensors (tensor parallel): those are sharded over ``mesh`` on top of their
+      placements (see ``docs/composition.md``).
     - ``reshard_after_forward``: ``True`` frees gathered parameters after forward (gather again
       in backward), ``False`` keeps them, ``None`` means False for the root and True for the
       rest, an int ``k`` keeps a copy sharded over groups of ``k`` ranks so backward gathers

@@ -1,7 +1,8 @@
 """ShardedParam: one parameter's life cycle between its sharded and unsharded forms.
 
 The sharded form is what users and optimizers see: an ``nn.Parameter`` wrapping a ``DTensor``
-(``Shard(0)``, or ``(Replicate(), Shard(0))`` for HSDP) registered on every module that
+(``Shard(0)``, or ``(Replicate(), Shard(0))`` for HSDP; see the notes below for ``Shard(d)``
+and tensor parallel) registered on every module that
 references the parameter. Rank ``r`` holds rows ``[r * c, min((r + 1) * c, n))`` of dim 0 with
 ``c = ceil(n / world)`` — ``torch.chunk`` semantics, the same as DTensor — so trailing ranks
 may hold fewer rows or none. In communication buffers every rank's piece is padded at the
@@ -21,6 +22,20 @@ this class: the padded per-rank size (``shard_numel``), each rank's unpadded pie
 (:meth:`grad_pieces`, :meth:`pack_grad`). The gather and reduce code (``fullshard.gather``,
 ``fullshard.reduce``) only moves those pieces, so another placement (``Shard(d)``, a
 tensor-parallel DTensor, a tensor owned by one rank) is a change to this class alone.
+``Shard(d > 0)`` (``shard_placement_fn``) splits dim ``d`` the same way; its unsharded form
+is not a view of the gathered region, so it is a separate tensor that :meth:`copy_out` fills
+after each gather (:meth:`free_unsharded` releases it), and :meth:`grad_pieces` /
+:meth:`pack_grad` copy each rank's gradient piece out of the strided gradient.
+
+[Note: composing with DTensor parallelism]
+A parameter that is already a ``DTensor`` on other mesh dims (tensor or expert parallel, on
+``mesh["tp"]`` beside the unit's ``mesh["dp"]``) is sharded like a plain one, but on its
+*local* tensor (``data_shape``). The sharded form is a ``DTensor`` on the concatenated mesh
+``(dp..., tp...)`` with placements ``(dp placement, *tp placements)``; where TP already
+shards the same dim, the dp placement is ``_StridedShard(dim, split_factor)`` (FSDP2's
+convention: dp's chunks interleave inside each TP chunk). The unsharded form wraps the
+gathered local tensor in the TP ``DTensor`` again, so TP modules see what they expect, and
+:meth:`grad_data` unwraps its gradient. Communication runs over dp only.
 """
 
 from __future__ import annotations
