@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Placement
 
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState, states_under
@@ -75,8 +75,11 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
         ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        for sp in _state(cast(nn.Module, self)).group.params:
+        state = _state(cast(nn.Module, self))
+        for sp in state.group.params:
             sp.sync_from_modules()
+        if state.ctx is not None:  # after lazy init: a cast needs a layout in the new dtype
+            state.group.init_layout(state.on_grad_accumulated)
         return ret
 
     def _states(self, recurse: bool) -> list[FSDPState]:
@@ -183,12 +186,16 @@ def fully_shard(
 
     Semantics follow PyTorch FSDP2's ``fully_shard``:
 
-    - ``mesh``: 1-D (shard) or 2-D (replicate, shard) for HSDP; defaults to all ranks.
+    - ``mesh``: 1-D (shard) or 2-D (replicate, shard) for HSDP; defaults to all ranks. May be
+      a sub-mesh (``mesh["dp"]``) of a larger mesh whose other dims hold parameters that are
+      already DTensors (tensor parallel): those are sharded over ``mesh`` on top of their
+      placements (see ``docs/composition.md``).
     - ``reshard_after_forward``: ``True`` frees gathered parameters after forward (gather again
       in backward), ``False`` keeps them, ``None`` means False for the root and True for the
       rest, an int ``k`` keeps a copy sharded over groups of ``k`` ranks so backward gathers
       within ``k``.
-    - ``shard_placement_fn``: may return ``Shard(0)`` or ``None``; other dims are refused.
+    - ``shard_placement_fn``: may return ``Shard(d)`` for any dim (negative ones count from
+      the end; uneven sizes allowed, unlike FSDP2) or ``None`` (``Shard(0)``).
     - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
     - ``comm_policy`` (fullshard only): the transport (``packed`` / ``p2p`` / ``auto``) and
@@ -217,15 +224,6 @@ def fully_shard(
         raise TypeError(
             f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
         )
-    if shard_placement_fn is not None:
-        for m in modules:
-            for fqn, p in m.named_parameters():
-                placement = shard_placement_fn(p)
-                if placement is not None and placement != Shard(0):
-                    raise NotImplementedError(
-                        f"shard_placement_fn returned {placement} for {fqn!r}; fullshard shards "
-                        f"dim 0 only (return None or Shard(0))"
-                    )
     compute_device = info.device
     shard_device = (
         torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else compute_device
@@ -250,7 +248,7 @@ def fully_shard(
         and offload_policy.pin_memory
         and torch.cuda.is_available()
     )
-    params = claim_params(modules, info, shard_device, ignored, pin)
+    params = claim_params(modules, info, shard_device, ignored, pin, shard_placement_fn)
     name = type(modules[0]).__name__
     group = ParamGroup(
         params,

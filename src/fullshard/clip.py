@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import collectives as C
 
@@ -50,7 +51,7 @@ def clip_grad_norm_(
         pgs: list[dist.ProcessGroup] = []
         if isinstance(g, DTensor):
             for dim, placement in enumerate(g.placements):
-                if isinstance(placement, Shard):
+                if isinstance(placement, (Shard, _StridedShard)):  # not a Shard subclass
                     pg = g.device_mesh.get_group(dim)
                     key += (id(pg),)
                     pgs.append(pg)

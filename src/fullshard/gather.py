@@ -146,13 +146,22 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
     """Wait for ``pending`` and make sure the unsharded buffer holds the parameters."""
     pending.handle.wait()
     emit("gather_wait", g.name)
-    if pending.packed is None:  # gathered in pieces: already in place
-        return
     buf = g.unsharded_buf
     assert buf is not None
+    if pending.packed is None:  # gathered in pieces: already in place
+        _copy_out(g)
+        return
     # Refilling the buffer is not a mutation autograd must see: saved views hold the same
     # values they had when saved (see [Note: why storage is resized, not freed]).
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
         _allocate(buf)
         sizes = [sp.shard_numel for sp in g.params]
         torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())
+    _copy_out(g)
+
+
+def _copy_out(g: ParamGroup) -> None:
+    """Placements whose unsharded form is not a view of the buffer copy themselves out."""
+    with torch.no_grad():
+        for sp, region in zip(g.params, g.regions()):
+            sp.copy_out(region)

@@ -71,7 +71,8 @@ class ParamGroup:
         self._gather: PendingGather | None = None  # the all-gather in flight
         self.unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
         self._grads_seen = 0
-        self._layout_key: list[int] = []  # ids of the params the layout was built for
+        # (id, dtype) of the params the layout was built for
+        self._layout_key: list[tuple[int, torch.dtype]] = []
         self.offsets: list[int] = []
         self.total = 0
         self._regions: list[torch.Tensor] = []
@@ -98,7 +99,7 @@ class ParamGroup:
 
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
-        key = [id(sp) for sp in self.params]
+        key = [(id(sp), sp.orig_dtype) for sp in self.params]  # a cast rebuilds it
         if self._layout_key == key or not self.params:
             return
         if self.state is not ShardedState.SHARDED:
@@ -133,7 +134,7 @@ class ParamGroup:
             if sp.requires_grad:
                 up.register_post_accumulate_grad_hook(lambda _p, sp=sp: on_grad_accumulated(sp))
             sp.unsharded_param = up
-        buf.untyped_storage().resize_(0)
+        self._release()
         self._layout_key = key
 
     def regions(self) -> list[torch.Tensor]:
@@ -153,9 +154,17 @@ class ParamGroup:
     @property
     def unsharded_bytes_allocated(self) -> int:
         """Bytes currently held by the unsharded buffer (0 when resharded)."""
+        copies = sum(sp.unsharded_data_bytes for sp in self.params)
         if self.unsharded_buf is None:
-            return 0
-        return self.unsharded_buf.untyped_storage().nbytes()
+            return copies
+        return self.unsharded_buf.untyped_storage().nbytes() + copies
+
+    def _release(self) -> None:
+        """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes."""
+        if self.unsharded_buf is not None:
+            self.unsharded_buf.untyped_storage().resize_(0)
+        for sp in self.params:
+            sp.free_unsharded()
 
     def check_materialised(self) -> None:
         """Raise a clear error if any parameter is still on the meta device."""
@@ -200,15 +209,14 @@ class ParamGroup:
         self.post_forward_chunk = None
         if self.state is not ShardedState.SHARDED:
             self._free_unsharded(ShardedState.SHARDED)
-        elif self.unsharded_buf is not None:
-            self.unsharded_buf.untyped_storage().resize_(0)
+        else:
+            self._release()
 
     def _free_unsharded(self, new: ShardedState) -> None:
         if self.state is ShardedState.UNSHARDED:
             for sp in self.params:
                 sp.to_sharded()
-        if self.unsharded_buf is not None:  # also a gather in pieces never waited on
-            self.unsharded_buf.untyped_storage().resize_(0)
+        self._release()  # also a gather in pieces never waited on
         self._to(new)
 
     def reshard_partial(self) -> None:

@@ -16,9 +16,11 @@ or an explicit ``unshard()``) then, once for the whole model:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .context import StepContext
 from .hooks import FSDPState, states_under
@@ -49,8 +51,14 @@ def claim_params(
     device: torch.device,
     ignored: set[int],
     pin_memory: bool,
+    placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
 ) -> list[ShardedParam]:
-    """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones."""
+    """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones.
+
+    ``placement_fn`` is ``shard_placement_fn``: ``None`` or ``Shard(d)`` per parameter.
+    Parameters that are DTensors on other mesh dims (tensor parallel) are sharded over
+    ``info``'s mesh on top of their placements.
+    """
     below = [sp for st in states_under(modules) for sp in st.group.params]
     by_sharded = {id(sp.sharded_param): sp for sp in below}
     claimed: dict[int, ShardedParam] = {}
@@ -68,16 +76,38 @@ def claim_params(
                     sp.add_ref(sub, name)
                     continue
                 if isinstance(p, DTensor):
+                    _check_foreign_dtensor(p, fqn, m, info)
+                placement = placement_fn(p) if placement_fn is not None else None
+                if placement is not None and not isinstance(placement, Shard):
                     raise ValueError(
-                        f"parameter {fqn!r} of {type(m).__name__} is already sharded by a "
-                        f"fully_shard call on an enclosing module: apply fully_shard bottom-up "
-                        f"(each block first, then the root)"
+                        f"shard_placement_fn returned {placement!r} for {fqn!r}; return "
+                        f"Shard(d) or None (Shard(0))"
                     )
-                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory)
+                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory, placement=placement)
                 sp.add_ref(sub, name)
                 claimed[id(p)] = sp
                 new.append(sp)
     return new
+
+
+def _check_foreign_dtensor(p: DTensor, fqn: str, m: nn.Module, info: MeshInfo) -> None:
+    """A DTensor parameter must live on mesh dims other than the unit's own (TP, EP)."""
+    mesh = p.device_mesh
+    dp_names = set(info.mesh.mesh_dim_names or ())
+    shared = dp_names & set(mesh.mesh_dim_names or ())
+    if mesh == info.mesh or shared:
+        raise ValueError(
+            f"parameter {fqn!r} of {type(m).__name__} is already a DTensor on the mesh dims "
+            f"{sorted(shared) or list(mesh.mesh_dim_names or ())} this fully_shard call shards "
+            f"over: apply fully_shard bottom-up (each block first, then the root), and pass "
+            f"the data-parallel sub-mesh (mesh['dp']) when parameters are tensor-parallel"
+        )
+    if mesh._get_root_mesh() != info.mesh._get_root_mesh():
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {mesh} that is not part of the same "
+            f"device mesh as fully_shard's {info.mesh}: take both as sub-meshes of one "
+            f"init_device_mesh(..., mesh_dim_names=(...)) (e.g. mesh['dp'] and mesh['tp'])"
+        )
 
 
 def lazy_init(root: FSDPState) -> StepContext:

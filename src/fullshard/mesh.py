@@ -53,20 +53,21 @@ class MeshInfo:
 
 
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:
-    """Validate ``mesh`` against the process group and describe it.
+    """Validate ``mesh`` and describe it.
 
-    A 1-D mesh shards over all of its ranks; a 2-D mesh is (replicate, shard) — HSDP.
+    A 1-D mesh shards over all of its ranks; a 2-D mesh is (replicate, shard) — HSDP. The mesh
+    may be a sub-mesh of a larger one (``mesh["dp"]`` of a ``(dp, tp)`` mesh) or built from a
+    subgroup (``DeviceMesh.from_group``): units then communicate only within it.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
         )
-    world = dist.get_world_size()
-    if mesh.size() != world:
+    if mesh.get_coordinate() is None:
         raise ValueError(
-            f"the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the process group "
-            f"has {world}: build it with init_device_mesh(device_type, shape) whose product is "
-            f"{world}"
+            f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} given to "
+            f"fully_shard: pass the data-parallel sub-mesh this rank belongs to (e.g. "
+            f"mesh['dp'] of the full mesh)"
         )
     if mesh.ndim == 1:
         group = mesh.get_group(0)

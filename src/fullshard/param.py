@@ -1,7 +1,8 @@
 """ShardedParam: one parameter's life cycle between its sharded and unsharded forms.
 
 The sharded form is what users and optimizers see: an ``nn.Parameter`` wrapping a ``DTensor``
-(``Shard(0)``, or ``(Replicate(), Shard(0))`` for HSDP) registered on every module that
+(``Shard(0)``, or ``(Replicate(), Shard(0))`` for HSDP; see the notes below for ``Shard(d)``
+and tensor parallel) registered on every module that
 references the parameter. Rank ``r`` holds rows ``[r * c, min((r + 1) * c, n))`` of dim 0 with
 ``c = ceil(n / world)`` — ``torch.chunk`` semantics, the same as DTensor — so trailing ranks
 may hold fewer rows or none. In communication buffers every rank's piece is padded at the
@@ -21,6 +22,20 @@ this class: the padded per-rank size (``shard_numel``), each rank's unpadded pie
 (:meth:`grad_pieces`, :meth:`pack_grad`). The gather and reduce code (``fullshard.gather``,
 ``fullshard.reduce``) only moves those pieces, so another placement (``Shard(d)``, a
 tensor-parallel DTensor, a tensor owned by one rank) is a change to this class alone.
+``Shard(d > 0)`` (``shard_placement_fn``) splits dim ``d`` the same way; its unsharded form
+is not a view of the gathered region, so it is a separate tensor that :meth:`copy_out` fills
+after each gather (:meth:`free_unsharded` releases it), and :meth:`grad_pieces` /
+:meth:`pack_grad` copy each rank's gradient piece out of the strided gradient.
+
+[Note: composing with DTensor parallelism]
+A parameter that is already a ``DTensor`` on other mesh dims (tensor or expert parallel, on
+``mesh["tp"]`` beside the unit's ``mesh["dp"]``) is sharded like a plain one, but on its
+*local* tensor (``data_shape``). The sharded form is a ``DTensor`` on the concatenated mesh
+``(dp..., tp...)`` with placements ``(dp placement, *tp placements)``; where TP already
+shards the same dim, the dp placement is ``_StridedShard(dim, split_factor)`` (FSDP2's
+convention: dp's chunks interleave inside each TP chunk). The unsharded form wraps the
+gathered local tensor in the TP ``DTensor`` again, so TP modules see what they expect, and
+:meth:`grad_data` unwraps its gradient. Communication runs over dp only.
 """
 
 from __future__ import annotations
@@ -30,7 +45,9 @@ import weakref
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .mesh import MeshInfo
 
@@ -56,6 +73,7 @@ class ShardedParam:
         device: torch.device,
         *,
         pin_memory: bool = False,
+        placement: Shard | None = None,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -65,49 +83,100 @@ class ShardedParam:
         self.fqn = fqn
         # Every (module, attribute name) registering this parameter — more than one when tied.
         self.refs: list[tuple[nn.Module, str]] = []
-        self.orig_shape: torch.Size = param.shape  # ND, global
+        self.orig_shape: torch.Size = param.shape  # ND, global (what users see)
         self.orig_dtype: torch.dtype = param.dtype
         self.requires_grad: bool = param.requires_grad
         self.info = info
+        # A parameter that is already a DTensor on other mesh dims (tensor parallel): its
+        # *local* tensor is what this object shards over the data-parallel group, and the
+        # unsharded form is that DTensor again ([Note: composing with DTensor parallelism]).
+        self.tp_mesh: DeviceMesh | None = None
+        self.tp_placements: tuple[Placement, ...] = ()
+        data: torch.Tensor = param
+        if isinstance(param, DTensor):
+            self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
+            data = param._local_tensor
+        self.data_shape: torch.Size = data.shape  # ND, what the shard group splits
+        dim = 0 if placement is None else placement.dim
+        dim = dim + data.dim() if dim < 0 else dim
+        if not 0 <= dim < data.dim():
+            raise ValueError(
+                f"shard_placement_fn returned {placement} for {fqn!r}, but it has "
+                f"{data.dim()} dims (shape {tuple(data.shape)}); return Shard(d) with "
+                f"-{data.dim()} <= d < {data.dim()}"
+            )
+        self.dim = dim  # the sharded dim (Shard(dim)); dim > 0 needs copies, see below
         world, rank = info.shard_size, info.shard_rank
-        rows = param.shape[0]
-        self.chunk_rows = math.ceil(rows / world)  # rows per rank after tail padding
-        self.row_numel = math.prod(param.shape[1:])
+        rows = data.shape[dim]
+        self.chunk_rows = math.ceil(rows / world)  # rows of dim per rank after tail padding
+        self.row_numel = math.prod(s for i, s in enumerate(data.shape) if i != dim)
         self.shard_numel = self.chunk_rows * self.row_numel  # padded elements per rank
         self.local_rows = self.rank_rows(rank)
-        self.local_shape = torch.Size((self.local_rows, *param.shape[1:]))
+        self.local_shape = self._shape_with(self.local_rows)
         self.local_numel = self.local_rows * self.row_numel
-        self.numel = param.numel()
+        self.numel = data.numel()
+        self.spmd_mesh, self.spmd_placements = self._spmd(data)
         start = rank * self.chunk_rows
         with torch.no_grad():
-            if param.device.type == "meta":
-                local = torch.empty(self.local_shape, dtype=param.dtype, device="meta")
+            if data.device.type == "meta":
+                local = torch.empty(self.local_shape, dtype=data.dtype, device="meta")
             else:
-                local = param.detach()[start : start + self.local_rows].to(device, copy=True)
-                local = local.contiguous()
+                local = data.detach().narrow(dim, min(start, rows), self.local_rows)
+                local = local.to(device, copy=True).contiguous()
                 # Pinned host memory only helps (and only exists) with an accelerator.
                 if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
                     local = local.pin_memory()
-        dtensor = DTensor.from_local(
-            local,
-            info.mesh,
-            info.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=_contiguous_stride(param.shape),
+        self.sharded_param = nn.Parameter(
+            self._wrap_sharded(local), requires_grad=param.requires_grad
         )
-        self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         # The user's original Parameter, to recognise it when a module outside this unit still
         # holds it (tied weights across units). Weak: it must not keep full-size memory alive.
         self._orig_ref = weakref.ref(param)
         # Set by the owning ParamGroup once its unsharded buffer exists.
         self.unsharded_param: nn.Parameter | None = None
+        # Shard(dim > 0): the unsharded data is not a view of the gathered region but a
+        # separate tensor filled by copy_out (storage resized to 0 while sharded).
+        self.unsharded_data: torch.Tensor | None = None
         # Unsharded gradient accumulated across micro-steps without sync (in reduce dtype).
         self.unsharded_accum_grad: torch.Tensor | None = None
 
+    def _shape_with(self, rows: int) -> torch.Size:
+        shape = list(self.data_shape)
+        shape[self.dim] = rows
+        return torch.Size(shape)
+
+    def _spmd(self, data: torch.Tensor) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The mesh and placements of the sharded DTensor (see the Note on composition)."""
+        dp: list[Placement] = [
+            Shard(self.dim) if isinstance(p, Shard) else p for p in self.info.placements
+        ]
+        if self.tp_mesh is None:
+            return self.info.mesh, tuple(dp)
+        # A dim the TP placements shard already is split again by dp: torch's _StridedShard
+        # records that the dp chunks interleave inside each TP chunk (FSDP2 does the same).
+        split = math.prod(
+            self.tp_mesh.size(i)
+            for i, p in enumerate(self.tp_placements)
+            if isinstance(p, Shard) and (p.dim + data.dim() if p.dim < 0 else p.dim) == self.dim
+        )
+        if split > 1:
+            dp[-1] = _StridedShard(self.dim, split_factor=split)
+        mesh = DeviceMesh._concatenate([self.info.mesh, self.tp_mesh])
+        return mesh, (*dp, *self.tp_placements)
+
+    def _wrap_sharded(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.spmd_mesh,
+            self.spmd_placements,
+            run_check=False,
+            shape=self.orig_shape,
+            stride=_contiguous_stride(self.orig_shape),
+        )
+
     def rank_rows(self, rank: int) -> int:
         """Rows of shard rank ``rank``'s unpadded chunk (``local_rows`` on that rank)."""
-        return max(0, min(self.chunk_rows, self.orig_shape[0] - rank * self.chunk_rows))
+        return max(0, min(self.chunk_rows, self.data_shape[self.dim] - rank * self.chunk_rows))
 
     def rank_numel(self, rank: int) -> int:
         """Elements of shard rank ``rank``'s unpadded chunk (``local_numel`` on that rank)."""
@@ -125,21 +194,88 @@ class ShardedParam:
         return slot[: self.rank_numel(rank)]
 
     def unsharded_view(self, region: torch.Tensor) -> torch.Tensor:
-        """The unsharded parameter inside its gathered ``[world, shard_numel]`` region.
+        """The unsharded parameter's data for its gathered ``[world, shard_numel]`` region.
 
         ``Shard(0)`` makes it a plain view: the region is rank-major, so the first ``numel``
-        elements are the parameter's rows in order.
+        elements are the parameter's rows in order. ``Shard(d)`` with ``d > 0`` cannot be a
+        view: it is a separate tensor (storage resized to 0 until :meth:`copy_out` fills it).
+        A tensor-parallel parameter's data is wrapped in its TP DTensor again.
         """
-        return region.reshape(-1)[: self.numel].view(self.orig_shape)
+        if self.dim == 0:
+            data = region.reshape(-1)[: self.numel].view(self.data_shape)
+        else:
+            data = torch.empty(self.data_shape, dtype=region.dtype, device=region.device)
+            data.untyped_storage().resize_(0)
+            self.unsharded_data = data
+        if self.tp_mesh is None:
+            return data
+        return DTensor.from_local(
+            data,
+            self.tp_mesh,
+            self.tp_placements,
+            run_check=False,
+            shape=self.orig_shape,
+            stride=_contiguous_stride(self.orig_shape),
+        )
+
+    def _rank_narrow(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """Shard rank ``rank``'s rows of the unsharded (``data_shape``) tensor ``t``."""
+        start = min(rank * self.chunk_rows, self.data_shape[self.dim])
+        return t.narrow(self.dim, start, self.rank_rows(rank))
+
+    def copy_out(self, region: torch.Tensor) -> None:
+        """Fill the unsharded data from the gathered region (``Shard(d > 0)`` only)."""
+        data = self.unsharded_data
+        if data is None:
+            return
+        with torch.autograd._unsafe_preserve_version_counter(data):
+            data.untyped_storage().resize_(data.numel() * data.element_size())
+            for r in range(self.info.shard_size):
+                rows = self.rank_rows(r)
+                if rows:
+                    piece = region[r, : self.rank_numel(r)].view(self._shape_with(rows))
+                    self._rank_narrow(data, r).copy_(piece)
+
+    def free_unsharded(self) -> None:
+        """Release the separate unsharded data (``Shard(d > 0)``); views need nothing."""
+        if self.unsharded_data is not None:
+            self.unsharded_data.untyped_storage().resize_(0)
+
+    @property
+    def unsharded_data_bytes(self) -> int:
+        """Bytes held by the separate unsharded data (0 for views and when freed)."""
+        data = self.unsharded_data
+        return 0 if data is None else data.untyped_storage().nbytes()
+
+    def grad_data(self, grad: torch.Tensor) -> torch.Tensor:
+        """The plain tensor to reduce from an unsharded gradient (a TP DTensor's local data,
+        redistributed to the parameter's TP placements first if autograd left it otherwise)."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if tuple(grad.placements) != self.tp_placements:
+            grad = grad.redistribute(placements=self.tp_placements)
+        return grad._local_tensor
 
     def grad_pieces(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
         """Per shard rank, the 1-D piece of the (flat, unsharded) gradient it reduces."""
+        world = self.info.shard_size
+        if self.dim:  # not contiguous in the gradient: each piece is a packed copy
+            grad = flat_grad.view(self.data_shape)
+            return [self._rank_narrow(grad, r).contiguous().view(-1) for r in range(world)]
         n = self.shard_numel
-        return [flat_grad[r * n :][: self.rank_numel(r)] for r in range(self.info.shard_size)]
+        return [flat_grad[r * n :][: self.rank_numel(r)] for r in range(world)]
 
     def pack_grad(self, grad: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the unsharded ``grad`` into ``dst`` (``[world, shard_numel]``), zero-padded."""
         world, n = dst.shape[0], self.shard_numel
+        if self.dim:
+            grad = grad.view(self.data_shape)
+            for r in range(world):
+                rows, m = self.rank_rows(r), self.rank_numel(r)
+                if rows:
+                    dst[r, :m].view(self._shape_with(rows)).copy_(self._rank_narrow(grad, r))
+                dst[r, m:].zero_()
+            return
         flat = grad.reshape(-1)
         full, rem = divmod(self.numel, n)
         if full:
@@ -175,6 +311,9 @@ class ShardedParam:
         module, name = self.refs[0]
         current = module._parameters[name]
         if current is self.sharded_param:
+            # ``module.to(torch.float64)`` / ``.half()`` casts in place (``param.data = ...``):
+            # the unit rebuilds its layout for the new dtype.
+            self.orig_dtype = current.dtype
             return
         if not isinstance(current, DTensor) or current.shape != self.orig_shape:
             raise RuntimeError(
@@ -185,6 +324,7 @@ class ShardedParam:
             )
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=self.requires_grad)
+        self.orig_dtype = current.dtype
         self.sharded_param = current
         for m, n in self.refs:
             m._parameters[n] = current

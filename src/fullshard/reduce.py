@@ -130,6 +130,8 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
             if up is not None:
                 up.grad = None
             if grad is not None:
+                grad = sp.grad_data(grad)
+            if grad is not None:
                 if sp.unsharded_accum_grad is not None:
                     sp.unsharded_accum_grad.add_(grad)
                     grad = sp.unsharded_accum_grad

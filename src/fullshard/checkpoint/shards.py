@@ -16,7 +16,10 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .manifest import CheckpointError
 
@@ -65,6 +68,16 @@ def local_box(t: torch.Tensor, what: str) -> Box:
     coord = mesh.get_coordinate()
     if coord is None:
         raise CheckpointError(f"{what}: this rank is not part of the tensor's device mesh")
+    if any(isinstance(p, _StridedShard) for p in t.placements):
+        # A dim sharded by dp inside a TP shard (fully_shard over TP, see fullshard.param):
+        # still one box per rank; torch's DTensor computes it.
+        box_shape, box_start = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+        if tuple(box_shape) != tuple(t.to_local().shape):
+            raise CheckpointError(
+                f"{what}: local shard has shape {list(t.to_local().shape)} but "
+                f"{t.placements} on global {list(t.shape)} give {list(box_shape)}"
+            )
+        return tuple(box_start), tuple(box_shape)
     for mesh_dim, p in enumerate(t.placements):
         if isinstance(p, Replicate):
             continue
@@ -101,8 +114,24 @@ def is_writer(t: torch.Tensor) -> bool:
         coord: Sequence[int] = t.device_mesh.get_coordinate() or ()
         if any(isinstance(p, Replicate) and coord[i] != 0 for i, p in enumerate(t.placements)):
             return False
+        if not _first_replica(t.device_mesh):
+            return False
         return t.to_local().numel() > 0
     return rank_and_world()[0] == 0 and t.numel() > 0
+
+
+def _first_replica(mesh: DeviceMesh) -> bool:
+    """Whether this rank's copy of a sub-mesh DTensor is the one written.
+
+    A DTensor on a sub-mesh (``mesh["dp"]`` of a ``(dp, tp)`` mesh, e.g. a norm weight under
+    TP x FSDP) is replicated over the root mesh's other dims: coordinate 0 there writes.
+    """
+    root = mesh._get_root_mesh()
+    names = mesh.mesh_dim_names or ()
+    if root is mesh or root.mesh_dim_names is None:
+        return True
+    coord = root.get_coordinate() or ()
+    return all(c == 0 for n, c in zip(root.mesh_dim_names, coord) if n not in names)
 
 
 def slices(box: Box, origin: tuple[int, ...] | None = None) -> tuple[slice, ...]:

@@ -1,0 +1,207 @@
+"""Composition: TP x FSDP on a (dp, tp) mesh, sub-meshes, Shard(d) placements, dtype casts.
+
+Every case trains against one process on the same global batch (fp32: rel. loss < 1e-5 at
+every step, full weights < 1e-4).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from fullshard import checkpoint as ckpt
+from fullshard import clip_grad_norm_, fully_shard
+from fullshard.testing import run_distributed
+from parity import GLOBAL_BATCH, batch, full_state, loss_fn, make_net, make_optimizer, shard_net
+
+VOCAB, DIM, HIDDEN = 13, 10, 14  # HIDDEN / tp = 7 rows: uneven over dp = 2
+STEPS = 4
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
+CLIP = 0.05  # below every step's gradient norm, so clipping always acts
+
+
+class TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([TPBlock() for _ in range(2)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _tp_net() -> TPNet:
+    torch.manual_seed(0)
+    return TPNet()
+
+
+def _train(model, steps, dp_rank, dp_size, clip=None, dtype=torch.float32):
+    """Train on this dp rank's slice of the global batch; per step the global mean loss."""
+    opt = make_optimizer(model)
+    losses = []
+    per = GLOBAL_BATCH // dp_size
+    for step in range(steps):
+        x, y = batch(step)
+        x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+        loss = loss_fn(model(x).to(dtype), y)
+        loss.backward()
+        if clip is not None:  # the norm joins the losses: both must match the reference
+            norm = clip(model.parameters(), CLIP)
+            assert norm.item() > CLIP  # it clips
+            losses.append(norm.item())
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if dist.is_initialized() and dp_size > 1:
+            dist.all_reduce(total)  # every rank of a dp slice holds the same loss
+            total /= dist.get_world_size()
+        losses.append(total.item())
+    return losses
+
+
+def _compare(name, losses, ref_losses, state, ref_state, out):
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    w_err = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    out[name] = (loss_err, w_err)
+
+
+def _reference(make, steps, dtype=torch.float32):
+    model = make().to(dtype)
+    losses = _train(model, steps, 0, 1, clip=torch.nn.utils.clip_grad_norm_, dtype=dtype)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _tp_fsdp(mesh: DeviceMesh) -> TPNet:
+    model = _tp_net()
+    dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else mesh["replicate", "shard"]
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(b, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model
+
+
+def _four_ranks(path: str) -> dict:
+    out: dict = {}
+    rank = dist.get_rank()
+    ref_losses, ref_state = _reference(_tp_net, STEPS)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _tp_fsdp(mesh)
+    w = model.blocks[0].up.weight
+    out["placements"] = [(type(p).__name__, p.dim) for p in w.placements]
+    assert isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("dp", "tp")
+    losses = _train(model, STEPS, mesh["dp"].get_local_rank(), 2, clip=clip_grad_norm_)
+    _compare("tp_fsdp", losses, ref_losses, full_state(model), ref_state, out)
+    ckpt.save(path, model=model)
+    # A sub-mesh from a subgroup: ranks {0, 1} and {2, 3} each train the whole model.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    sub = DeviceMesh.from_group(pairs[rank // 2], "cpu")
+    net_ref, net_state = _reference(lambda: make_net(), STEPS)
+    net = shard_net(make_net(), mesh=sub)
+    losses = _train(net, STEPS, rank % 2, 2, clip=clip_grad_norm_)
+    _compare("from_group", losses, net_ref, full_state(net), net_state, out)
+    return out
+
+
+def _shard_dim(p: nn.Parameter):
+    return Shard(-1) if p.dim() > 1 else None
+
+
+def _two_or_three_ranks(path: str | None) -> dict:
+    out: dict = {}
+    world = dist.get_world_size()
+    ref_losses, ref_state = _reference(lambda: make_net(), STEPS)
+    net = shard_net(make_net(), shard_placement_fn=_shard_dim)
+    out["placement"] = [(type(p).__name__, p.dim) for p in net.blocks[0].up.weight.placements]
+    losses = _train(net, STEPS, dist.get_rank(), world, clip=clip_grad_norm_)
+    _compare(f"shard_last_dim_{world}", losses, ref_losses, full_state(net), ref_state, out)
+    out["unsharded_after_step"] = sum(st.group.unsharded_bytes_allocated for st in _states(net))
+    if path is None:
+        return out
+    # Load the TP x FSDP (2, 2) checkpoint on plain FSDP over 2 ranks.
+    loaded = shard_net_tp_free()
+    ckpt.load(path, model=loaded)
+    out["ckpt_2"] = full_state(loaded)
+    # float64 after fully_shard trains against a float64 reference.
+    ref64_losses, ref64_state = _reference(lambda: make_net(), STEPS, dtype=torch.float64)
+    net64 = shard_net(make_net())
+    net64.to(torch.float64)
+    out["dtype64"] = str(net64.blocks[0].up.weight.dtype)
+    losses = _train(net64, STEPS, dist.get_rank(), world, clip=clip_grad_norm_, dtype=torch.float64)
+    _compare("float64", losses, ref64_losses, full_state(net64), ref64_state, out)
+    return out
+
+
+def shard_net_tp_free() -> TPNet:
+    model = _tp_net()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    return model
+
+
+def _states(model):
+    from fullshard.api import _all_states
+
+    return _all_states(model)
+
+
+def _check(out: dict, name: str) -> None:
+    loss_err, w_err = out[name]
+    assert loss_err < LOSS_TOL, (name, loss_err)
+    assert w_err < WEIGHT_TOL, (name, w_err)
+
+
+def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/ckpt"
+        four = run_distributed(_four_ranks, 4, path)
+        assert four[0]["placements"] == [("_StridedShard", 0), ("Shard", 0)]
+        for r in four:
+            _check(r, "tp_fsdp")
+            _check(r, "from_group")
+        two = run_distributed(_two_or_three_ranks, 2, path)
+        for r in two:
+            assert r["placement"] == [("Shard", 1)]
+            assert r["unsharded_after_step"] == 0
+            _check(r, "shard_last_dim_2")
+            assert r["dtype64"] == "torch.float64"
+            _check(r, "float64")
+        # The checkpoint saved on (dp=2, tp=2) loads on 2 plain FSDP ranks and on 1 process.
+        single = _tp_net()
+        ckpt.load(path, model=single)
+        full = {k: v.detach() for k, v in single.state_dict().items()}
+        for k, v in full.items():
+            assert torch.equal(two[0]["ckpt_2"][k], v), k
+        _, ref_state = _reference(_tp_net, STEPS)
+        for k, v in ref_state.items():
+            assert (full[k] - v).abs().max().item() < WEIGHT_TOL, k
+    three = run_distributed(_two_or_three_ranks, 3, None)
+    for r in three:
+        _check(r, "shard_last_dim_3")
