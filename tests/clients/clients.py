@@ -70,8 +70,9 @@ def engine(name: str) -> Iterator[None]:
 
 def check_units(model: nn.Module, name: str) -> None:
     """The units are torch FSDPModules, and fullshard's exactly when fullshard runs."""
-    import fullshard
     from torch.distributed.fsdp import FSDPModule
+
+    import fullshard
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     assert units, f"{name}: no FSDP2 unit in the model"
@@ -165,7 +166,10 @@ def dcp_save(name: str, folder: str) -> dict[str, Any]:
         check_units(model, name)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = train_llama(model, opt, range(2))
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+        }
         dcp.save(state, checkpoint_id=os.path.join(folder, f"dcp-{name}"))
         full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = {

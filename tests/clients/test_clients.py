@@ -25,14 +25,16 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
-import clients  # noqa: E402 - tests/clients is on sys.path (pytest's rootdir-less import)
+import clients  # tests/clients is on sys.path (pytest prepends a test file's folder)
 
 TOL = 1e-5
 ENV = {"TORCHELASTIC_RUN_ID": "fullshard-clients"}  # Fabric: adopt the process group
 
 
 def close(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=0, abs_tol=TOL) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        math.isclose(x, y, rel_tol=0, abs_tol=TOL) for x, y in zip(a, b)
+    )
 
 
 @pytest.fixture(scope="module")

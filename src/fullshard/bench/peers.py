@@ -1,8 +1,8 @@
 """Find the peer engines the comparison tools run against (torch FSDP2).
 
-The library never imports ``torch.distributed.fsdp``: the FSDP2 adapter is benchmark code in
-the repository (``benchmarks/peers.py``), loaded from the checkout only when a tool is asked
-for its FSDP2 mode.
+The library imports only FSDP2's public types, never its engine: the FSDP2 adapter is
+benchmark code in the repository (``benchmarks/peers.py``), loaded from the checkout only when
+a tool is asked for its FSDP2 mode.
 """
 
 from __future__ import annotations
