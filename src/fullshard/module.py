@@ -291,11 +291,14 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Make the next forward's gathers wait on ``event`` (recorded after the optimizer step)
-        instead of on the whole current stream; the event is used once, then dropped.
+        """Make the next forward's gathers wait on ``event`` (recorded after the optimizer step);
+        the event is used once, then dropped.
 
-        CPU has no streams or events (``optimizer.step()`` has finished when it returns), so
-        an event on a CPU-only unit is refused.
+        FSDP2 waits on this event *instead of* the current stream, to avoid false dependencies.
+        fullshard issues its gathers from the current stream, so they already follow it; the
+        event is waited on as well (correct, but no dependency is removed). CPU has no streams
+        or events (``optimizer.step()`` has finished when it returns), so an event on a
+        CPU-only unit is refused.
         """
         module = cast(nn.Module, self)
         state = _state(module)
