@@ -1,17 +1,15 @@
-"""A/B the fullshard engine against variants of itself and torch FSDP2, alternating in one run.
+"""A/B fullshard's transports against each other and torch FSDP2, alternating in one run.
 
     python benchmarks/engine_variants.py --config comm --steps 12 --repeats 2 \
-        fullshard fs-sync fs-collectives fs-rs-allreduce fsdp2 fsdp2-nometer
+        fullshard fs-packed fs-p2p fsdp2
 
-Variants (each patches the engine inside the rank processes only):
+Variants (each is a public setting, nothing is patched):
 
-- ``fullshard``: as shipped; ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``);
-- ``fs-sync``: every fullshard collective synchronous (no prefetch/overlap gains);
-- ``fs-collectives``: gloo's own all-gather, and the reduce-scatter as a gloo all-reduce of the
-  packed buffer (the engine before the p2p exchanges, see [Note: p2p on gloo]);
-- ``fs-rs-allreduce``: p2p all-gather, reduce-scatter as a gloo all-reduce;
-- ``fs-rs-native``: p2p all-gather, gloo's own reduce-scatter;
-- ``fsdp2-nometer``: FSDP2 without the bench's collective wrappers (checks their overhead).
+- ``fullshard``: as shipped (``CommPolicy(transport="auto")``);
+- ``fs-packed``: ``transport="packed"`` — one packed buffer per collective, the NCCL path;
+- ``fs-p2p``: ``transport="p2p"`` — every gather and reduction in pieces (on more than 2
+  ranks the reduce-scatter needs scratch; see fullshard.transport);
+- ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``).
 
 Prints each variant's median step time (slower rank), its ratio to FSDP2 and its peak RSS per
 rank (max over ranks and repeats), plus the largest relative loss difference against the first
@@ -34,51 +32,26 @@ from fullshard.bench.configs import get_config
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.testing import run_distributed
 
-# variant -> the algorithm forced per kind (see fullshard.collectives._algorithm)
-_ALGORITHMS = {
-    "fs-collectives": {"all_gather": "all_gather", "reduce_scatter": "all_reduce"},
-    "fs-rs-allreduce": {"all_gather": "p2p", "reduce_scatter": "all_reduce"},
-    "fs-rs-native": {"all_gather": "p2p", "reduce_scatter": "reduce_scatter"},
+# variant -> (bench mode, fullshard transport)
+VARIANTS = {
+    "fullshard": ("fullshard", "auto"),
+    "fs-packed": ("fullshard", "packed"),
+    "fs-p2p": ("fullshard", "p2p"),
+    "fsdp2": ("fsdp2", "auto"),
 }
 
 
 def variant_rank(cfg_dict: dict[str, Any], variant: str) -> dict[str, Any]:
-
+    """Run one variant on this rank (the bench worker with the variant's settings)."""
     import fullshard.bench.worker as worker
-    import fullshard.collectives as collectives
 
-    orig = collectives._issue
-    orig_algorithm = collectives._algorithm
-
-    def forced(kind: str, requested: str, group: Any, device: Any) -> str:
-        return _ALGORITHMS[variant].get(kind) or orig_algorithm(kind, requested, group, device)
-
-    class Done:
-        """A finished Work: the Handle still runs its completion step (copy-out, local sum)."""
-
-        def wait(self) -> bool:
-            return True
-
-    def synchronous(kind: str, *args: Any, **kw: Any) -> Any:
-        kw["async_op"] = False
-        works = orig(kind, *args, **kw)
-        for work in works if isinstance(works, list) else []:  # p2p exchanges return Works
-            work.wait()
-        return Done()
-
-    if variant in _ALGORITHMS:
-        collectives._algorithm = forced  # type: ignore[assignment]
-    elif variant == "fs-sync":
-        collectives._issue = synchronous
-    elif variant == "fsdp2-nometer":
-        worker._meter = lambda mode: None  # type: ignore[assignment]
-    mode = "fsdp2" if variant.startswith("fsdp2") else "fullshard"
-    return worker.run_rank(cfg_dict, mode)
+    mode, transport = VARIANTS[variant]
+    return worker.run_rank(dict(cfg_dict, transport=transport), mode)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("variants", nargs="+")
+    ap.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
     ap.add_argument("--config", default="comm")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)

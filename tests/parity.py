@@ -8,9 +8,6 @@ activation-checkpointed block and a block called twice.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -101,14 +98,6 @@ def reference_run(steps: int, **model_kwargs: bool) -> tuple[list[float], dict[s
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@dataclass
-class Sharded:
-    """Result of a sharded run on one rank."""
-
-    losses: list[float]
-    full_state: dict[str, torch.Tensor]
-
-
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather every DTensor in the state dict (test helper, not the checkpoint path)."""
     out = {}
@@ -152,7 +141,3 @@ def shard_net(model: Net, **fully_shard_kwargs: object) -> Net:
         fully_shard(block, **fully_shard_kwargs)  # type: ignore[arg-type]
     fully_shard(model, **fully_shard_kwargs)  # type: ignore[arg-type]
     return model
-
-
-def copy_model(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)

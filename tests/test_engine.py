@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard import FSDPModule, count_collectives, fully_shard
+from fullshard import CommPolicy, FSDPModule, count_collectives, fully_shard
 from fullshard.api import _all_states
+from fullshard.events import record_events
 from fullshard.testing import run_distributed
 from parity import (
     Net,
@@ -35,23 +36,47 @@ CASES = [
 ]
 
 
-def _run_cases() -> dict[str, tuple[list[float], dict[str, torch.Tensor], list]]:
+TRANSPORTS = ("auto", "packed", "p2p")
+
+
+def _run_cases() -> dict[tuple[str, str], tuple[list[float], dict[str, torch.Tensor], list]]:
+    """Every case x every transport (one spawn per world size; world 1 has one transport)."""
     world = dist.get_world_size()
     results = {}
-    for name, model_kwargs, shard_kwargs, micro, worlds in CASES:
-        if world not in worlds:
-            continue
-        model = shard_net(make_net(**model_kwargs), **shard_kwargs)
-        opt = make_optimizer(model)
-        losses, counts, leftover, algos = [], [], [], set()
-        for step in range(STEPS):
-            with count_collectives() as stats:
-                losses.append(sharded_step(model, opt, step, micro_batches=micro))
-            counts.append([(r.kind, r.group_size) for r in stats.records if r.group_size > 0])
-            algos |= {(r.kind, r.group_size, r.algorithm) for r in stats.records}
-            leftover.append(sum(st.group.unsharded_bytes_allocated for st in _all_states(model)))
-        results[name] = (losses, full_state(model), [counts, leftover, algos])
+    for transport in TRANSPORTS if world > 1 else ("auto",):
+        policy = CommPolicy(transport=transport)
+        for name, model_kwargs, shard_kwargs, micro, worlds in CASES:
+            if world not in worlds:
+                continue
+            model = shard_net(make_net(**model_kwargs), comm_policy=policy, **shard_kwargs)
+            opt = make_optimizer(model)
+            losses, counts, leftover, algos, paths = [], [], [], set(), set()
+            for step in range(STEPS):
+                with count_collectives() as stats, record_events() as log:
+                    losses.append(sharded_step(model, opt, step, micro_batches=micro))
+                counts.append([(r.kind, r.group_size) for r in stats.records if r.group_size > 0])
+                algos |= {(r.kind, r.group_size, r.algorithm) for r in stats.records}
+                paths |= {(e.kind, e.detail) for e in log if e.kind.endswith("_issue")}
+                leftover.append(
+                    sum(st.group.unsharded_bytes_allocated for st in _all_states(model))
+                )
+            results[(name, transport)] = (
+                losses,
+                full_state(model),
+                [counts, leftover, algos, paths],
+            )
     return results
+
+
+def _expected_paths(name: str, transport: str, world: int) -> set[tuple[str, str]]:
+    """Which way each unit gathered/reduced (fullshard.transport), as the event log shows."""
+    if world == 1 or transport == "packed":
+        return {("gather_issue", "packed"), ("reduce_issue", "packed")}
+    pieces_rs = transport == "p2p" or world == 2  # auto: reductions in pieces on 2 ranks only
+    paths = {("gather_issue", "pieces"), ("reduce_issue", "pieces" if pieces_rs else "packed")}
+    if name.startswith("raf_2"):  # backward regathers the kept copy: always packed
+        paths.add(("gather_issue", "packed"))
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -95,28 +120,35 @@ def _expected_counts(name: str, world: int, micro: int) -> list[tuple[str, int]]
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_and_counts(world: int, references) -> None:
-    results = run_distributed(_run_cases, world, timeout=600)
+    results = run_distributed(_run_cases, world, timeout=900)
     ours = results[0]
-    for name, (losses, state, (counts, leftover, algos)) in ours.items():
+    expected_keys = {(c[0], t) for c in CASES if world in c[4] for t in TRANSPORTS}
+    if world == 1:
+        expected_keys = {(n, t) for n, t in expected_keys if t == "auto"}
+    assert set(ours) == expected_keys
+    for (name, transport), (losses, state, (counts, leftover, algos, paths)) in ours.items():
+        case = f"{name} transport={transport} world={world}"
         ref_losses, ref_state = references[name]
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
-            assert abs(a - b) / abs(b) < 1e-5, f"{name} world={world} step {step}: {a} vs {b}"
+            assert abs(a - b) / abs(b) < 1e-5, f"{case} step {step}: {a} vs {b}"
         assert state.keys() == ref_state.keys()
         for k in ref_state:
-            torch.testing.assert_close(state[k], ref_state[k], atol=1e-4, rtol=0, msg=f"{name} {k}")
+            torch.testing.assert_close(state[k], ref_state[k], atol=1e-4, rtol=0, msg=f"{case} {k}")
         micro = next(c[3] for c in CASES if c[0] == name)
         expected = _expected_counts(name, world, micro)
         for step_counts in counts:
-            assert sorted(step_counts) == sorted(expected), f"{name} world={world}"
-        assert leftover == [0] * STEPS, f"{name}: gathered storage left after a step {leftover}"
-        # gloo: every gather is a p2p exchange; reductions are p2p on 2 ranks, else all-reduce
+            assert sorted(step_counts) == sorted(expected), case
+        assert leftover == [0] * STEPS, f"{case}: gathered storage left after a step {leftover}"
+        assert paths == _expected_paths(name, transport, world), f"{case}: {sorted(paths)}"
+        # gloo: every gather is a p2p exchange (packed buffer or pieces); reductions are p2p on
+        # 2 ranks or in pieces, else a packed all-reduce
         for kind, size, algo in algos:
-            want = "p2p" if kind == "all_gather" or size == 2 else "all_reduce"
-            assert algo == want, f"{name} world={world}: {kind} over {size} ranks ran {algo}"
+            p2p = kind == "all_gather" or size == 2 or transport == "p2p"
+            assert algo == ("p2p" if p2p else "all_reduce"), f"{case}: {kind}/{size} ran {algo}"
     # every rank computed the same global losses
     for other in results[1:]:
-        for name in ours:
-            assert other[name][0] == ours[name][0]
+        for key in ours:
+            assert other[key][0] == ours[key][0]
 
 
 def _api_and_errors() -> dict[str, str]:
@@ -165,7 +197,8 @@ def _api_and_errors() -> dict[str, str]:
         if hasattr(m, "reset_parameters") and m is not meta:
             m.reset_parameters()
     local = meta.blocks[0].up.weight.to_local()
-    assert local.shape[0] == -(-7 // world) or local.shape[0] < 7  # only a shard materialised
+    rows = -(-7 // world)  # torch.chunk: ceil(7 / world) rows per rank, the tail gets the rest
+    assert local.shape == (max(0, min(rows, 7 - rank * rows)), 10)  # only its shard exists
     loss = loss_fn(meta(x), y)
     loss.backward()
     assert torch.isfinite(loss)
@@ -193,7 +226,7 @@ def test_api_and_errors() -> None:
     results = run_distributed(_api_and_errors, 2, timeout=300)
     msgs = results[0]
     assert "Block" in msgs["twice"]
-    assert "blocks" not in msgs["top_down"] or "bottom-up" in msgs["top_down"]
+    assert "bottom-up" in msgs["top_down"] and "'small' of Block" in msgs["top_down"]
     assert "has 2" in msgs["mesh"] and "1 ranks" in msgs["mesh"]
     assert "up.weight" in msgs["meta"] and "to_empty" in msgs["meta"]
 

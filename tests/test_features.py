@@ -39,6 +39,7 @@ BF16_VS_FP32 = 2e-2  # bf16 compute + fp32 reduction vs the fp32 single-process 
 BF16_VS_FSDP2 = 1e-3  # same policy, seed and data under torch FSDP2
 LOWP_BF16_BOUND = 1e-2  # bf16 all-gather + bf16 reduce-scatter, fp32 masters and compute
 LOWP_INT8_BOUND = 2e-2  # int8 block-wise all-gather + bf16 reduce-scatter
+TRANSPORTS = ("auto", "packed", "p2p")  # each runs the same parity checks
 
 
 def _shard_root_and_blocks(model: nn.Module, fs, **kw) -> nn.Module:
@@ -56,7 +57,12 @@ def _mixed_precision() -> dict:
 
     out: dict = {}
     runs = {
-        "ours": _shard_root_and_blocks(make_net(), fully_shard, mp_policy=BF16),
+        **{
+            f"ours-{t}": _shard_root_and_blocks(
+                make_net(), fully_shard, mp_policy=BF16, comm_policy=CommPolicy(transport=t)
+            )
+            for t in TRANSPORTS
+        },
         "fsdp2": _shard_root_and_blocks(
             make_net(),
             torch_fully_shard,
@@ -67,17 +73,17 @@ def _mixed_precision() -> dict:
         opt = make_optimizer(model)
         losses = []
         for step in range(MP_STEPS):
-            if name == "ours" and step == 0:
+            if name.startswith("ours") and step == 0:
                 with count_collectives() as stats:
                     losses.append(sharded_step(model, opt, step))
-                out["dtypes"] = sorted({(r.kind, str(r.dtype)) for r in stats.records})
+                out[f"dtypes-{name}"] = sorted({(r.kind, str(r.dtype)) for r in stats.records})
             else:
                 losses.append(sharded_step(model, opt, step))
         out[name] = losses
-    ours = runs["ours"]
+    ours = runs["ours-auto"]
     out["master_dtypes"] = sorted({str(p.dtype) for p in ours.parameters()})
     out["grad_accum_dtype"] = _accumulation_dtype()
-    out["fp16"] = _fp16_no_overflow()
+    out["fp16"] = {t: _fp16_no_overflow(t) for t in TRANSPORTS}
     return out
 
 
@@ -103,11 +109,13 @@ class _Lin(nn.Module):
         return self.lin(x)
 
 
-def _fp16_no_overflow() -> list[float]:
+def _fp16_no_overflow(transport: str) -> list[float]:
     """Each rank's gradient is 30000 per element; the naive fp16 sum over 4 ranks is 120000."""
     model = _Lin()
     fully_shard(
-        model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+        model,
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16),
+        comm_policy=CommPolicy(transport=transport),
     )
     x = torch.ones(1, 4)
     (model(x).sum() * 30000.0).backward()
@@ -121,18 +129,26 @@ def test_mixed_precision_bf16_and_fp16() -> None:
     ref_losses, _ = reference_run(MP_STEPS)
     results = run_distributed(_mixed_precision, 4, timeout=600)
     r = results[0]
-    for step, (ours, theirs, ref) in enumerate(zip(r["ours"], r["fsdp2"], ref_losses)):
-        assert abs(ours - theirs) / abs(theirs) < BF16_VS_FSDP2, (
-            f"step {step}: {ours} vs FSDP2 {theirs}"
-        )
-        assert abs(ours - ref) / abs(ref) < BF16_VS_FP32, f"step {step}: {ours} vs fp32 {ref}"
-    # the collectives really ran in the policy's dtypes
-    assert r["dtypes"] == [("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.float32")]
+    for t in TRANSPORTS:
+        for step, (ours, theirs, ref) in enumerate(zip(r[f"ours-{t}"], r["fsdp2"], ref_losses)):
+            assert abs(ours - theirs) / abs(theirs) < BF16_VS_FSDP2, (
+                f"{t} step {step}: {ours} vs FSDP2 {theirs}"
+            )
+            assert abs(ours - ref) / abs(ref) < BF16_VS_FP32, f"{t} step {step}: {ours} vs {ref}"
+        # the collectives really ran in the policy's dtypes
+        assert r[f"dtypes-ours-{t}"] == [
+            ("all_gather", "torch.bfloat16"),
+            ("reduce_scatter", "torch.float32"),
+        ]
     assert r["master_dtypes"] == ["torch.float32"]
     assert r["grad_accum_dtype"] == "torch.float32"
     assert torch.isinf(torch.tensor(4 * 30000.0, dtype=torch.float16))  # naive sum overflows
-    for rank_grads in (res["fp16"] for res in results):
-        assert all(math.isfinite(g) and abs(g - 30000.0) < 30 for g in rank_grads), rank_grads
+    for t in TRANSPORTS:
+        for rank_grads in (res["fp16"][t] for res in results):
+            assert all(math.isfinite(g) and abs(g - 30000.0) < 30 for g in rank_grads), (
+                t,
+                rank_grads,
+            )
 
 
 def _hsdp_offload_clip() -> dict:
@@ -140,39 +156,18 @@ def _hsdp_offload_clip() -> dict:
     out: dict = {}
     # HSDP: 2 replicas x 2 shards
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = shard_net(make_net(), mesh=mesh)
-    p = model.blocks[0].up.weight
-    assert isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0))
-    opt = make_optimizer(model)
-    losses, counts = [], []
-    for step in range(5):
-        with count_collectives() as stats:
-            losses.append(sharded_step(model, opt, step))
-        counts.append(sorted((r.kind, r.group_size) for r in stats.records))
-    out["hsdp"] = (losses, full_state(model), counts)
-
-    # HSDP accumulation: the first micro-batch reduce-scatters but skips the all-reduce
-    model = shard_net(make_net(), mesh=mesh)
-    opt = make_optimizer(model)
-    rank, per = dist.get_rank(), GLOBAL_BATCH // world
-    losses, counts = [], []
-    for step in range(3):
-        x, y = batch(step)
-        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        total = torch.zeros(())
-        with count_collectives() as stats:
-            for i in range(2):
-                model.set_requires_all_reduce(i == 1)
-                half = slice(i * per // 2, (i + 1) * per // 2)
-                loss = loss_fn(model(x[half]), y[half]) / 2
-                loss.backward()
-                total += loss.detach()
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        losses.append((total / world).item())
-        counts.append((stats.calls("reduce_scatter"), stats.calls("all_reduce")))
-    out["hsdp_accum"] = (losses, counts)
+    for t in TRANSPORTS:
+        model = shard_net(make_net(), mesh=mesh, comm_policy=CommPolicy(transport=t))
+        p = model.blocks[0].up.weight
+        assert isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0))
+        opt = make_optimizer(model)
+        losses, counts = [], []
+        for step in range(5):
+            with count_collectives() as stats:
+                losses.append(sharded_step(model, opt, step))
+            counts.append(sorted((r.kind, r.group_size) for r in stats.records))
+        out[f"hsdp-{t}"] = (losses, full_state(model), counts)
+        out[f"hsdp_accum-{t}"] = _hsdp_accumulation(mesh, t)
 
     # CPU offload (works on a CPU-only build; torch FSDP2 fails there)
     model = shard_net(make_net(), offload_policy=CPUOffloadPolicy())
@@ -234,6 +229,32 @@ def _hsdp_offload_clip() -> dict:
     return out
 
 
+def _hsdp_accumulation(mesh, transport: str) -> tuple[list[float], list[tuple[int, int]]]:
+    """HSDP accumulation: the first micro-batch reduce-scatters but skips the all-reduce."""
+    world = dist.get_world_size()
+    model = shard_net(make_net(), mesh=mesh, comm_policy=CommPolicy(transport=transport))
+    opt = make_optimizer(model)
+    rank, per = dist.get_rank(), GLOBAL_BATCH // world
+    losses, counts = [], []
+    for step in range(3):
+        x, y = batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        total = torch.zeros(())
+        with count_collectives() as stats:
+            for i in range(2):
+                model.set_requires_all_reduce(i == 1)
+                half = slice(i * per // 2, (i + 1) * per // 2)
+                loss = loss_fn(model(x[half]), y[half]) / 2
+                loss.backward()
+                total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+        counts.append((stats.calls("reduce_scatter"), stats.calls("all_reduce")))
+    return losses, counts
+
+
 def _reference_clip(norm_type: float) -> tuple[float, dict[str, torch.Tensor]]:
     model = make_net()
     x, y = batch(0)
@@ -247,7 +268,7 @@ def _reference_clip(norm_type: float) -> tuple[float, dict[str, torch.Tensor]]:
 def test_hsdp_offload_clip_divide() -> None:
     ref_losses, ref_state = reference_run(5)
     r = run_distributed(_hsdp_offload_clip, 4, timeout=600)[0]
-    for name in ("hsdp", "offload"):
+    for name in (*(f"hsdp-{t}" for t in TRANSPORTS), "offload"):
         losses, state = r[name][0], r[name][1]
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) / abs(b) < 1e-5, f"{name}: {a} vs {b}"
@@ -258,11 +279,12 @@ def test_hsdp_offload_clip_divide() -> None:
     expected = sorted(
         [("all_gather", 2)] * (4 + 3) + [("reduce_scatter", 2)] * 4 + [("all_reduce", 2)] * 4
     )
-    assert all(c == expected for c in r["hsdp"][2]), r["hsdp"][2][0]
-    losses, counts = r["hsdp_accum"]
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) / abs(b) < 1e-5, f"hsdp accumulation: {a} vs {b}"
-    assert counts == [(8, 4)] * 3, counts  # 2 micro-batches x 4 units; all-reduce once
+    for t in TRANSPORTS:
+        assert all(c == expected for c in r[f"hsdp-{t}"][2]), (t, r[f"hsdp-{t}"][2][0])
+        losses, counts = r[f"hsdp_accum-{t}"]
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) / abs(b) < 1e-5, f"hsdp accumulation {t}: {a} vs {b}"
+        assert counts == [(8, 4)] * 3, (t, counts)  # 2 micro-batches x 4 units; all-reduce once
     assert r["offload"][2] == ["cpu"]
     for (mesh_name, norm_type), (norm, torch_norm, calls, grads) in r["clip"].items():
         ref_norm, ref_grads = _reference_clip(norm_type)

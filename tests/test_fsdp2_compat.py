@@ -17,7 +17,8 @@ from torch import nn
 
 import fullshard
 from fullshard import fully_shard
-from fullshard.hooks import FSDPState, TrainingState
+from fullshard.hooks import FSDPState
+from fullshard.state import TrainingState
 from fullshard.testing import run_distributed
 
 _TORCH_FULLY_SHARD = tfsdp.fully_shard

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fullshard.train.metrics import read_metrics
-from test_reliability_common import (
+from reliability_helpers import (
     checkpoint_tensors,
     differing,
     fullshard,

@@ -32,7 +32,7 @@ import fullshard.train.launch as launch_mod
 from fullshard import cli
 from fullshard.train.models import build_model
 from fullshard.train.presets import get_preset
-from test_reliability_common import fullshard, record, write_corpus
+from reliability_helpers import fullshard, record, write_corpus
 
 
 @pytest.fixture

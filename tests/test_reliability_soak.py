@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fullshard.train.metrics import read_metrics
-from test_reliability_common import fullshard, record, tiny_args, write_corpus
+from reliability_helpers import fullshard, record, tiny_args, write_corpus
 
 EVERY = 10  # checkpoint and sampling interval, steps
 KEEP = 3

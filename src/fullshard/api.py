@@ -1,4 +1,4 @@
-"""``fully_shard`` and the ``FSDPModule`` mixin — the public, FSDP2-compatible surface.
+"""``fully_shard``: the public, FSDP2-compatible entry point (``FSDPModule`` is in module.py).
 
 Code written for PyTorch FSDP2 switches with one import::
 
@@ -25,19 +25,18 @@ from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .group import ParamGroup
-from .hooks import STATE_ATTR, FSDPState, states_under
+from .hooks import STATE_ATTR, FSDPState
+from .init import check_reshard_after_forward, claim_params
 from .mesh import default_mesh, mesh_info
 from .module import (
     FSDPModule,
     FullyShardError,
     UnshardHandle,
     _all_states,
-    _check_reshard_after_forward,
     _state,
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from .param import ShardedParam
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -85,43 +84,6 @@ def _install_hooks(module: nn.Module, state: FSDPState) -> None:
     module._register_load_state_dict_pre_hook(_reshard_for_io)
 
 
-def _claim_params(
-    modules: tuple[nn.Module, ...],
-    info: Any,
-    device: torch.device,
-    ignored: set[int],
-    pin_memory: bool,
-) -> list[ShardedParam]:
-    """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones."""
-    below = [sp for st in states_under(modules) for sp in st.group.params]
-    by_sharded = {id(sp.sharded_param): sp for sp in below}
-    claimed: dict[int, ShardedParam] = {}
-    new: list[ShardedParam] = []
-    for m in modules:
-        for prefix, sub in m.named_modules():
-            for name, p in list(sub._parameters.items()):
-                if p is None or id(p) in ignored:
-                    continue
-                fqn = f"{prefix}.{name}" if prefix else name
-                sp = by_sharded.get(id(p)) or claimed.get(id(p))
-                if sp is None:
-                    sp = next((b for b in below if b.is_original(p)), None)  # tied across units
-                if sp is not None:
-                    sp.add_ref(sub, name)
-                    continue
-                if isinstance(p, DTensor):
-                    raise ValueError(
-                        f"parameter {fqn!r} of {type(m).__name__} is already sharded by a "
-                        f"fully_shard call on an enclosing module: apply fully_shard bottom-up "
-                        f"(each block first, then the root)"
-                    )
-                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory)
-                sp.add_ref(sub, name)
-                claimed[id(p)] = sp
-                new.append(sp)
-    return new
-
-
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -148,8 +110,8 @@ def fully_shard(
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
     - ``dp_mesh_dims``: FSDP2's data-parallel dims of a larger SPMD mesh; only ``None`` for
       now (pass the data-parallel sub-mesh as ``mesh``).
-    - ``comm_policy`` (fullshard only): low-precision communication, see
-      :class:`fullshard.policies.CommPolicy`.
+    - ``comm_policy`` (fullshard only): the transport (``packed`` / ``p2p`` / ``auto``) and
+      low-precision communication, see :class:`fullshard.policies.CommPolicy`.
 
     Parameters already owned by a unit applied earlier (a child) stay with it; a Parameter
     tied across units (e.g. embedding and output head) is handled, unlike FSDP2. Returns the
@@ -175,7 +137,7 @@ def fully_shard(
             f"mesh_dim_names=('replicate', 'shard'))"
         )
     info = mesh_info(mesh if mesh is not None else default_mesh())
-    _check_reshard_after_forward(reshard_after_forward, info.shard_size)
+    check_reshard_after_forward(reshard_after_forward, info.shard_size)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -209,10 +171,24 @@ def fully_shard(
             f"the module to one device (module.to(...)) — or build all of it on meta — "
             f"before fully_shard"
         )
-    pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
-    params = _claim_params(modules, info, shard_device, ignored, pin)
+    offloaded = isinstance(offload_policy, CPUOffloadPolicy)
+    pin = (
+        isinstance(offload_policy, CPUOffloadPolicy)
+        and offload_policy.pin_memory
+        and torch.cuda.is_available()
+    )
+    params = claim_params(modules, info, shard_device, ignored, pin)
     name = type(modules[0]).__name__
-    group = ParamGroup(params, info, compute_device, mp_policy, offload_policy, name, comm_policy)
+    group = ParamGroup(
+        params,
+        info,
+        compute_device,
+        mp_policy,
+        name,
+        comm_policy,
+        offloaded=offloaded,
+        pin_memory=pin,
+    )
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         for sub in m.modules():

@@ -162,11 +162,6 @@ class Handle:
             self._then()
             self._then = None
 
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`wait` has returned (or nothing was ever in flight)."""
-        return self._work is None
-
 
 def _record(
     kind: str, tensor: torch.Tensor, group_size: int, algorithm: str = "", nbytes: int = -1
@@ -242,14 +237,14 @@ _P2P_TAG_BASE = 1 << 20
 _P2P_TAG_SPACE = 1 << 30
 # Up to this many ranks a gloo all-gather is N - 1 sends and receives per rank; measured on 2
 # and 4 ranks. Past it, gloo's own all-gather (a ring) is used.
-_P2P_MAX_RANKS = 8
+P2P_MAX_RANKS = 8
 
 
 def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.device) -> str:
     """The call that implements ``kind``: ``requested`` unless it is ``"auto"``.
 
     ``"auto"`` on gloo (CPU tensors): the all-gather is a p2p exchange up to
-    ``_P2P_MAX_RANKS`` ranks; the reduce-scatter is a p2p exchange on 2 ranks, where the one
+    ``P2P_MAX_RANKS`` ranks; the reduce-scatter is a p2p exchange on 2 ranks, where the one
     received chunk lands in the output and needs no scratch, and an in-place all-reduce on
     more (a p2p reduce-scatter holds N - 2 received chunks in scratch at once: 24 MiB per rank
     on ``fullshard bench --config memory --nproc 4``, +30 MiB peak RSS, above FSDP2's).
@@ -265,15 +260,7 @@ def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.dev
     size = dist.get_world_size(group)
     if kind == "reduce_scatter":
         return "p2p" if size == 2 else "all_reduce"
-    return "p2p" if size <= _P2P_MAX_RANKS else kind
-
-
-def auto_algorithm(kind: str, group: ProcessGroup | None, device: torch.device) -> str:
-    """What ``kind`` (``"all_gather"`` or ``"reduce_scatter"``) runs with ``algorithm="auto"``
-    on ``group`` for tensors on ``device``; ``"local"`` on one rank."""
-    if group is None or dist.get_world_size(group) == 1:
-        return "local"
-    return _algorithm(kind, "auto", group, device)
+    return "p2p" if size <= P2P_MAX_RANKS else kind
 
 
 def _start(

@@ -24,7 +24,8 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from .group import ParamGroup
-from .hooks import STATE_ATTR, FSDPState, TrainingState, states_under
+from .hooks import STATE_ATTR, FSDPState, states_under
+from .init import check_reshard_after_forward, lazy_init, resolve_reshard
 
 __all__ = [
     "FSDPModule",
@@ -62,20 +63,6 @@ def _check_fsdp_modules(modules: list[Any], what: str) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"{what} expects FSDPModules (fully_shard units), got {type(m)}")
-
-
-def _check_reshard_after_forward(value: object, world: int | None) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"reshard_after_forward must be True, False, None or a positive int, got {value!r}"
-        )
-    if world is not None and world % value != 0:
-        raise ValueError(
-            f"reshard_after_forward={value} must divide the shard group size {world}: after "
-            f"forward each group of {value} ranks keeps one copy sharded among them"
-        )
 
 
 def _not_yet(method: str, value: object, default: object) -> None:
@@ -135,10 +122,10 @@ class FSDPModule(_TorchFSDPModule):
         so ``wait()`` is needed only to use the parameters before that.
         """
         state = _state(cast(nn.Module, self))
-        if state.root is None:
-            state.lazy_init()
+        if state.ctx is None:
+            lazy_init(state)
         group = state.group
-        group.unshard(async_op=True)
+        group.unshard()
         handle = UnshardHandle(group)
         if async_op:
             return handle
@@ -158,14 +145,14 @@ class FSDPModule(_TorchFSDPModule):
         normally. Raises ``RuntimeError`` on a non-root unit.
         """
         root = _state(cast(nn.Module, self))
-        if root.is_root is False:
+        if root.ctx is None:  # no forward ran yet: nothing to reset
+            return
+        if not root.is_root:
             raise RuntimeError(
                 f"reset_iter_state must be called on the root FSDP module, not on the unit "
                 f"{root.name!r}: call it on the module fully_shard was applied to last"
             )
-        if root.root is None:  # no forward ran yet: nothing to reset
-            return
-        _reset_iter_state(root)
+        root.ctx.reset_iter_state()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
@@ -198,16 +185,22 @@ class FSDPModule(_TorchFSDPModule):
         self, reshard_after_forward: bool | int, recurse: bool = True
     ) -> None:
         """Change the post-forward reshard policy: a bool as in FSDP2, or (fullshard) an int
-        group size as ``fully_shard`` accepts."""
-        _check_reshard_after_forward(reshard_after_forward, None)
-        for st in self._states(recurse):
+        group size ``k`` that divides each unit's shard group size."""
+        states = self._states(recurse)
+        for st in states:  # validate all before changing any
+            check_reshard_after_forward(reshard_after_forward, st.group.world)
+        for st in states:
             st.reshard_after_forward = reshard_after_forward
-            if st.root is not None:
-                st._resolve_reshard_after_forward()
+            if st.ctx is not None:
+                resolve_reshard(st)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the step (kept for FSDP2 compatibility:
-        fullshard finishes every backward's reductions at the end of that backward)."""
+        """Whether the next backward is the last of the step (call it on the root).
+
+        ``False`` (e.g. all but the last micro-batch): the end of that backward does not wait
+        for the last reductions still in flight; they finish during the next backward, so
+        they overlap its compute. Gradients are complete once a backward with ``True`` ends.
+        """
         _state(cast(nn.Module, self)).is_last_backward = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -350,28 +343,6 @@ class FSDPModule(_TorchFSDPModule):
                 "set_symm_mem_for_comm needs CUDA and NCCL; this unit computes on the CPU"
             )
         raise NotImplementedError("set_symm_mem_for_comm is not implemented by fullshard yet")
-
-
-def _reset_iter_state(root: FSDPState) -> None:
-    """Bring every unit under ``root`` back to IDLE, sharded, with nothing in flight."""
-    for pending in root._pending:
-        pending.handle.wait()  # let the collective end; its result is discarded
-    root._pending = []
-    for st in root.states:
-        group = st.group
-        group.reshard()  # waits for a gather in flight
-        group._post_forward_chunk = None
-        group._grads_seen = 0
-        group.backward_done = False
-        for sp in group.params:
-            sp.unsharded_accum_grad = None
-            if sp.unsharded_param is not None:
-                sp.unsharded_param.grad = None
-        st.training_state = TrainingState.IDLE
-        st._post_forward_calls = 0
-    root._forward_order = []
-    root._post_forward_order = []
-    root._callback_queued = False
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -11,6 +11,16 @@ view of a padded ``[world * c, ...]`` region.
 The unsharded form is an ``nn.Parameter`` view into its unit's packed unsharded buffer; the
 unit (:class:`fullshard.group.ParamGroup`) owns that buffer and swaps which form the modules
 see. This object carries no communication logic.
+
+[Note: the placement lives here]
+Everything that depends on *how* a parameter is split across the shard group is a method of
+this class: the padded per-rank size (``shard_numel``), each rank's unpadded piece
+(:meth:`rank_numel`), writing this rank's shard into a communication slot
+(:meth:`copy_local_into`), reading the unsharded parameter out of its gathered region
+(:meth:`unsharded_view`) and cutting an unsharded gradient into per-rank pieces
+(:meth:`grad_pieces`, :meth:`pack_grad`). The gather and reduce code (``fullshard.gather``,
+``fullshard.reduce``) only moves those pieces, so another placement (``Shard(d)``, a
+tensor-parallel DTensor, a tensor owned by one rank) is a change to this class alone.
 """
 
 from __future__ import annotations
@@ -102,6 +112,42 @@ class ShardedParam:
     def rank_numel(self, rank: int) -> int:
         """Elements of shard rank ``rank``'s unpadded chunk (``local_numel`` on that rank)."""
         return self.rank_rows(rank) * self.row_numel
+
+    # ------------------------------------------------------------------ placement (layout)
+    def copy_local_into(self, slot: torch.Tensor) -> None:
+        """Write this rank's shard into ``slot`` (1-D, ``shard_numel`` elements; the padding
+        is left as it is). Casts to ``slot``'s dtype and device (the H2D copy under offload)."""
+        if self.local_numel:
+            slot[: self.local_numel].copy_(self.local.reshape(-1), non_blocking=True)
+
+    def rank_piece(self, slot: torch.Tensor, rank: int) -> torch.Tensor:
+        """The part of a padded 1-D ``slot`` that carries shard rank ``rank``'s elements."""
+        return slot[: self.rank_numel(rank)]
+
+    def unsharded_view(self, region: torch.Tensor) -> torch.Tensor:
+        """The unsharded parameter inside its gathered ``[world, shard_numel]`` region.
+
+        ``Shard(0)`` makes it a plain view: the region is rank-major, so the first ``numel``
+        elements are the parameter's rows in order.
+        """
+        return region.reshape(-1)[: self.numel].view(self.orig_shape)
+
+    def grad_pieces(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
+        """Per shard rank, the 1-D piece of the (flat, unsharded) gradient it reduces."""
+        n = self.shard_numel
+        return [flat_grad[r * n :][: self.rank_numel(r)] for r in range(self.info.shard_size)]
+
+    def pack_grad(self, grad: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the unsharded ``grad`` into ``dst`` (``[world, shard_numel]``), zero-padded."""
+        world, n = dst.shape[0], self.shard_numel
+        flat = grad.reshape(-1)
+        full, rem = divmod(self.numel, n)
+        if full:
+            dst[:full].copy_(flat[: full * n].view(full, n))
+        if full < world:
+            dst[full, :rem].copy_(flat[full * n :])
+            dst[full, rem:].zero_()
+            dst[full + 1 :].zero_()
 
     def is_original(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the user's Parameter this ShardedParam was made from."""

@@ -25,7 +25,9 @@ from typing import Any
 from torch import nn
 
 from . import api, module
+from .context import StepContext
 from .hooks import STATE_ATTR, FSDPState
+from .init import lazy_init
 
 __all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
 
@@ -135,8 +137,8 @@ class _GroupView:
 
 
 class _StateCtxView:
-    def __init__(self, root: FSDPState) -> None:
-        self.all_states = [_StateView(st) for st in root.states]
+    def __init__(self, ctx: StepContext) -> None:
+        self.all_states = [_StateView(st) for st in ctx.states]
 
 
 class _StateView:
@@ -146,16 +148,15 @@ class _StateView:
         self._state = state
         self._fsdp_param_groups = [_GroupView(state)]
 
+    def _ctx(self) -> StepContext:
+        return self._state.ctx or lazy_init(self._state)
+
     @property
     def _state_ctx(self) -> _StateCtxView:
-        root = self._state.root or self._state
-        if root.root is None:
-            root.lazy_init()
-        return _StateCtxView(root)
+        return _StateCtxView(self._ctx())
 
     def _root_post_backward_final_callback(self) -> None:
-        root = self._state.root or self._state
-        root._finish_backward()
+        self._ctx().finish_backward()
 
 
 def _fully_shard_state(mod: nn.Module) -> _StateView | None:

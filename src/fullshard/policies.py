@@ -40,13 +40,23 @@ class CommPolicy:
       sharded gradient is accumulated in the parameter's dtype (fp32 masters).
 
     ``None`` leaves that collective as the mixed-precision policy says.
+
+    - ``transport``: how units move their bytes (see ``fullshard.transport``): ``"packed"``
+      (one rank-major buffer per collective, what NCCL runs), ``"p2p"`` (point-to-point
+      exchanges straight into / out of each parameter, no packed buffers) or ``"auto"`` (the
+      faster for the backend: p2p pieces on gloo, packed on NCCL).
     """
 
     all_gather_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     block_size: int = 256
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.transport not in ("auto", "packed", "p2p"):
+            raise ValueError(
+                f"CommPolicy.transport must be 'auto', 'packed' or 'p2p', got {self.transport!r}"
+            )
         allowed = (None, torch.bfloat16, torch.float16, torch.int8, torch.float32)
         if self.all_gather_dtype not in allowed:
             raise ValueError(

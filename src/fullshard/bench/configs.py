@@ -37,6 +37,8 @@ class BenchConfig:
     """World sizes to run (``memory`` runs 1, 2 and 4 to show per-rank memory falling as 1/N)."""
     modes: tuple[str, ...] = ALL_MODES
     reshard_after_forward: bool = True
+    transport: str = "auto"
+    """fullshard's ``CommPolicy(transport=...)``: ``auto``, ``packed`` or ``p2p``."""
     lr: float = 1e-3
     seed: int = 0
 

@@ -62,13 +62,21 @@ def make_batches(
     return out
 
 
-def wrap(model: GPT, mode: str, reshard_after_forward: bool) -> nn.Module:
-    """Apply ``mode``'s parallelism from outside the model: blocks first, then the root."""
+def wrap(model: GPT, mode: str, reshard_after_forward: bool, transport: str = "auto") -> nn.Module:
+    """Apply ``mode``'s parallelism from outside the model: blocks first, then the root.
+
+    ``transport`` selects fullshard's ``CommPolicy(transport=...)`` (ignored by other modes).
+    """
     if mode in ("fsdp2", "fullshard"):
         fully_shard = load_peer_fully_shard(mode)
+        kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+        if mode == "fullshard":
+            from fullshard.policies import CommPolicy
+
+            kw["comm_policy"] = CommPolicy(transport=transport)
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
         return model
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -144,7 +152,7 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
     model = GPT(model_config(cfg))
     n_params = model.num_parameters()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    net = wrap(model, mode, cfg.reshard_after_forward)
+    net = wrap(model, mode, cfg.reshard_after_forward, cfg.transport)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     meter = _meter(mode)
     gc.collect()

@@ -35,6 +35,7 @@ from torch import nn
 
 from fullshard.memory.tracker import LiveTensorBytes
 from fullshard.train.model import GPT, GPTConfig
+from fullshard.transport import select_transport
 
 __all__ = [
     "ENGINES",
@@ -72,28 +73,42 @@ class EngineModel:
     reduce_pending: bool = False
     """A unit's packed reduce-scatter input stays alive until the next unit's reduction is
     issued (the reduction overlaps that unit's backward)."""
-    reduce_from_grads_2: bool = False
-    """On 2-way sharding the reduce-scatter sends straight from the gradients: no packed
-    input buffer (fullshard on gloo, [Note: reducing in pieces])."""
+    reduce_from_grads: bool = False
+    """The reduce-scatter sends straight from the gradients: no packed input buffer
+    (fullshard's ``p2p`` transport, [Note: reducing in pieces])."""
+    transport: tuple[str, str] | None = None
+    """fullshard only: ``(backend, device type)``. The unit's transport is then what the
+    engine itself selects (``fullshard.transport.select_transport``), which sets
+    ``copy_out`` and ``reduce_from_grads`` for the plan's shard-group size."""
+
+    def for_shard_size(self, shard_size: int) -> EngineModel:
+        """This model with the transport the engine would pick for ``shard_size`` ranks."""
+        if self.transport is None:
+            return self
+        t = select_transport("auto", self.transport[0], self.transport[1], shard_size)
+        return dataclasses.replace(
+            self, copy_out=not t.gathers_in_pieces, reduce_from_grads=t.reduces_in_pieces
+        )
 
 
-# fullshard's engine on gloo/CPU (see fullshard.group, [Note: gathering in pieces]): the
-# all-gather fills the unit's unsharded buffer directly, one unit is prefetched each way, and
-# the previous reduce-scatter finishes before the next one is issued.
-_FULLSHARD_GLOO = EngineModel(
-    name="fullshard",
-    copy_out=False,
-    forward_prefetch=1,
-    backward_prefetch=1,
-    reduce_from_grads_2=True,
-)
-
+# fullshard's engine: one unit is prefetched each way and the previous reduce-scatter finishes
+# before the next one is issued; how units gather and reduce is the engine's own transport
+# choice for the backend (on gloo: in pieces, see fullshard.transport).
 ENGINES: dict[str, EngineModel] = {
-    "fullshard": _FULLSHARD_GLOO,
-    # fullshard on NCCL: the same, but gathers in place into a rank-major packed buffer, copies
-    # each parameter out, and packs gradients (not yet measured on a GPU).
-    "fullshard-nccl": dataclasses.replace(
-        _FULLSHARD_GLOO, name="fullshard-nccl", copy_out=True, reduce_from_grads_2=False
+    "fullshard": EngineModel(
+        name="fullshard",
+        copy_out=False,
+        forward_prefetch=1,
+        backward_prefetch=1,
+        transport=("gloo", "cpu"),
+    ),
+    # fullshard on NCCL: the packed transport (not yet measured on a GPU).
+    "fullshard-nccl": EngineModel(
+        name="fullshard-nccl",
+        copy_out=True,
+        forward_prefetch=1,
+        backward_prefetch=1,
+        transport=("nccl", "cuda"),
     ),
     # torch FSDP2 on CPU: per-parameter copy-out, no forward prefetch (no streams), backward
     # prefetch of one unit.
@@ -423,7 +438,7 @@ def plan(spec: PlanSpec) -> Plan:
 
 
 def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> list[Event]:
-    eng = ENGINES[spec.engine]
+    eng = ENGINES[spec.engine].for_shard_size(spec.shard_size)
     pbytes = torch.empty((), dtype=spec.param_dtype).element_size()
     f32 = 4
     host = "host:" if spec.offload else ""
@@ -482,11 +497,7 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             # Full gradients and the packed reduce-scatter input coexist for the copy-in; the
             # new gradient shard is the output.
             send = u.padded_numel * pbytes
-            if (
-                eng.reduce_from_grads_2
-                and spec.shard_size == 2
-                and spec.param_dtype != torch.float16
-            ):
+            if eng.reduce_from_grads and spec.param_dtype != torch.float16:
                 send = 0
             ev = dict(
                 base,

@@ -1,0 +1,150 @@
+"""StepContext: what the root coordinates across its units during one training step.
+
+Created by lazy init (``fullshard.init.lazy_init``) on the root's first forward and shared by
+every unit below it. It owns the cross-unit bookkeeping the per-unit hooks
+(``fullshard.hooks.FSDPState``) consult:
+
+- the forward order (recorded each forward; the previous one drives implicit forward prefetch)
+  and the post-forward order (drives implicit backward prefetch, reversed);
+- the reductions in flight (at most one: a unit finishes the previous unit's reduction before
+  issuing its own, so its buffer is freed first) and the end-of-backward callback that
+  completes units whose backward never fired (unused parameters, frozen inputs);
+- the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per ``k``);
+- the communication streams (``fullshard.streams``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .events import emit
+from .reduce import PendingReduce
+from .state import TrainingState
+from .streams import CommStreams
+
+if TYPE_CHECKING:
+    from .group import ParamGroup
+    from .hooks import FSDPState
+
+__all__ = ["StepContext"]
+
+
+class StepContext:
+    """Root-level coordination of one model's units (see the module docstring)."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState], device: torch.device) -> None:
+        self.root = root
+        self.states = states  # every unit, root first, in module order
+        self.streams = CommStreams(device)
+        self.forward_order: list[FSDPState] = []
+        self.prev_forward_order: list[FSDPState] = []
+        self.post_forward_order: list[FSDPState] = []
+        self.pending: list[PendingReduce] = []
+        self.callback_queued = False
+        self._subgroups: dict[int, tuple[dist.ProcessGroup, int]] = {}
+
+    # --------------------------------------------------------------------------- forward
+    def begin_forward(self) -> None:
+        """The root's forward starts: the last forward's order becomes the prefetch plan."""
+        if self.forward_order:
+            self.prev_forward_order = self.forward_order
+        self.forward_order = []
+        self.post_forward_order = []
+
+    def record_forward(self, state: FSDPState) -> None:
+        if state not in self.forward_order:
+            self.forward_order.append(state)
+
+    def record_post_forward(self, state: FSDPState) -> None:
+        if state in self.post_forward_order:
+            self.post_forward_order.remove(state)
+        self.post_forward_order.append(state)
+
+    def next_in_forward(self, state: FSDPState) -> list[FSDPState]:
+        """The unit that ran after ``state`` in the previous forward (implicit prefetch)."""
+        order = self.prev_forward_order
+        if state in order:
+            i = order.index(state)
+            if i + 1 < len(order):
+                return [order[i + 1]]
+        return []
+
+    def next_in_backward(self, state: FSDPState) -> list[FSDPState]:
+        """The unit whose backward runs after ``state``'s (the one before it in forward)."""
+        order = self.post_forward_order
+        if state in order:
+            i = order.index(state)
+            if i > 0:
+                return [order[i - 1]]
+        return []
+
+    # -------------------------------------------------------------------------- backward
+    def ensure_end_of_backward_callback(self) -> None:
+        """Queue :meth:`finish_backward` on the autograd engine (once per backward)."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_pending(self) -> None:
+        """Wait for the reductions in flight and hand out their gradient shards."""
+        for p in self.pending:
+            p.finish()
+        self.pending = []
+
+    def add_pending(self, pending: PendingReduce | None) -> None:
+        if pending is not None:
+            self.pending.append(pending)
+
+    def finish_backward(self) -> None:
+        """End-of-backward callback: complete every unit, wait for reductions, reset.
+
+        With ``set_is_last_backward(False)`` on the root, the last reductions stay in flight
+        (finished by the next backward) and the backward prefetch order is kept, as in FSDP2.
+        """
+        emit("backward_end", self.root.name)
+        for st in self.states:
+            if st.group.params and st.training_state is not TrainingState.POST_BACKWARD:
+                self.add_pending(st.group.reduce_grads())
+        if self.root.is_last_backward:
+            self.finish_pending()
+            self.streams.wait_host_copies()
+        for st in self.states:
+            st.group.finish_backward()
+            st.training_state = TrainingState.IDLE
+        self.callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """Recover from an exception mid-forward or mid-backward (``FSDPModule.reset_iter_state``).
+
+        Waits for the reductions in flight and drops their results (the failed iteration's
+        gradients are lost), brings every unit back to sharded and IDLE and forgets this
+        step's orders; the previous forward order (the prefetch plan) is kept. The autograd
+        engine drops queued callbacks when a backward raises, so the flag is cleared too.
+        """
+        for p in self.pending:
+            p.handle.wait()
+        self.pending = []
+        for st in self.states:
+            st.group.reset_iter_state()
+            st.training_state = TrainingState.IDLE
+            st._post_forward_calls = 0
+        self.streams.wait_host_copies()
+        self.forward_order = []
+        self.post_forward_order = []
+        self.callback_queued = False
+
+    # ------------------------------------------------------------------------- subgroups
+    def post_forward_subgroup(self, group: ParamGroup, k: int) -> tuple[dist.ProcessGroup, int]:
+        """Process groups of ``k`` consecutive ranks within each shard group (created once)."""
+        if k not in self._subgroups:
+            mesh = group.info.mesh.mesh
+            rows = mesh.tolist() if mesh.dim() == 2 else [mesh.tolist()]
+            ranks = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
+            current, _ = dist.new_subgroups_by_enumeration(ranks)
+            me = dist.get_rank()
+            index = next(r.index(me) for r in ranks if me in r)
+            self._subgroups[k] = (current, index)
+        return self._subgroups[k]

@@ -1,0 +1,158 @@
+"""The all-gather side of a unit: issue, wait and copy-out, packed or in pieces.
+
+[Note: packed layouts]
+All-gather input: this rank's shards back to back, each padded to ``shard_numel`` elements
+(``total`` elements in all). The all-gather output is rank-major, ``[world, total]``; the
+copy-out splits its columns per parameter into the unsharded buffer, where parameter ``i``
+occupies ``world * shard_numel_i`` contiguous elements — a padded ``[world, shard_numel_i]``
+region holding the parameter (see ``ShardedParam.unsharded_view``). The reduce-scatter input
+is the same ``[world, total]`` layout built from the unsharded gradients (zero padding), so
+each rank's output row is exactly its padded gradient shards.
+
+[Note: gathering in pieces]
+With the ``p2p`` transport a unit skips the packed buffer altogether: it allocates the
+unsharded buffer when the gather is issued, copies its own shards into their rows, and
+receives every peer's shard of every parameter straight into that parameter's row — one
+message per parameter and peer. No ``[world, total]`` buffer is allocated and nothing is copied
+out, which saves a unit-sized buffer and a unit-sized copy per gather. A low-precision wire
+dtype and int ``k`` resharding still gather packed.
+
+[Note: why storage is resized, not freed]
+Autograd saves views of the unsharded parameters for backward. Freeing the unsharded buffer by
+``untyped_storage().resize_(0)`` keeps those tensor objects (and the ``nn.Parameter`` leaves
+autograd accumulates into) valid; re-gathering resizes the same storage back and refills it,
+so the saved views see the parameters again without any re-registration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from .events import emit
+from .quant import dequantize_int8, quantize_int8
+
+if TYPE_CHECKING:
+    from .group import ParamGroup
+
+__all__ = ["PendingGather", "finish_gather", "start_gather"]
+
+
+@dataclass
+class PendingGather:
+    """An all-gather in flight and the buffers it uses until it is waited on."""
+
+    handle: C.Handle
+    packed: torch.Tensor | None  # the gathered [world * total] buffer to copy out; None: pieces
+    send: torch.Tensor | None  # what the collective reads (kept alive until waited on)
+
+
+def _allocate(buf: torch.Tensor) -> None:
+    """Give the (resized-to-0) unsharded buffer its storage back."""
+    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+
+
+def _offload_event(g: ParamGroup) -> None:
+    if g.offloaded:
+        nbytes = sum(sp.local_numel * sp.local.element_size() for sp in g.params)
+        emit("h2d", g.name, nbytes=nbytes)
+
+
+def start_gather(g: ParamGroup) -> PendingGather:
+    """Issue the all-gather of ``g``'s parameters the way its transport says."""
+    g.check_materialised()
+    _offload_event(g)
+    in_pieces = (
+        g.transport.gathers_in_pieces
+        and g.post_forward_chunk is None
+        and g.wire_gather_dtype() == g.compute_dtype()
+    )
+    emit("gather_issue", g.name, "pieces" if in_pieces else "packed")
+    with torch.no_grad():
+        return _gather_in_pieces(g) if in_pieces else _gather_packed(g)
+
+
+def _pack_shards(g: ParamGroup, inp: torch.Tensor) -> torch.Tensor:
+    """Copy this rank's shards into ``inp`` (1-D, ``total`` elements; casts to its dtype)."""
+    for sp, off in zip(g.params, g.offsets):
+        sp.copy_local_into(inp[off : off + sp.shard_numel])
+    return inp
+
+
+def _gather_packed(g: ParamGroup) -> PendingGather:
+    what = f"unit {g.name!r}"
+    wire = g.wire_gather_dtype()
+    if g.post_forward_chunk is not None:  # int k: gather the kept copy within the subgroup
+        inp, g.post_forward_chunk = g.post_forward_chunk, None
+        group = g.post_forward_group
+        assert group is not None
+        out = torch.empty(
+            inp.numel() * dist.get_world_size(group), dtype=inp.dtype, device=g.device
+        )
+    elif wire == torch.int8:  # quantise a packed fp32 copy (see fullshard.quant)
+        group = g.info.shard_group
+        full = torch.empty(g.total, dtype=torch.float32, device=g.device)
+        inp = quantize_int8(_pack_shards(g, full), g.comm_policy.block_size)
+        del full
+        out = torch.empty(inp.numel() * g.world, dtype=inp.dtype, device=g.device)
+    else:  # in place: this rank's slot of the output is the input (no extra copy)
+        group = g.info.shard_group
+        out = torch.empty(g.world * g.total, dtype=wire, device=g.device)
+        with g.streams.use("gather"):  # offload: the H2D copy-in runs on the side stream
+            inp = _pack_shards(g, out.view(g.world, g.total)[g.info.shard_rank])
+    with g.streams.use("gather"):
+        handle = C.all_gather(out, inp, group, what=what)
+    return PendingGather(handle, out, inp)
+
+
+def _gather_in_pieces(g: ParamGroup) -> PendingGather:
+    """All-gather straight into the unsharded buffer (see [Note: gathering in pieces])."""
+    buf = g.unsharded_buf
+    assert buf is not None
+    me = g.info.shard_rank
+    with torch.autograd._unsafe_preserve_version_counter(buf):
+        _allocate(buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
+        regions = g.regions()
+        with g.streams.use("gather"):
+            for sp, region in zip(g.params, regions):
+                sp.copy_local_into(region[me])
+            pieces = [
+                [sp.rank_piece(region[r], r) for sp, region in zip(g.params, regions)]
+                for r in range(g.world)
+            ]
+            nbytes = buf.numel() * buf.element_size()
+            what = f"unit {g.name!r}"
+            handle = C.all_gather_pieces(pieces, g.info.shard_group, nbytes=nbytes, what=what)
+    return PendingGather(handle, None, None)
+
+
+def _decode(g: ParamGroup, out: torch.Tensor) -> torch.Tensor:
+    """The gathered ``[world, total]`` rows in compute dtype (dequantised if needed)."""
+    dtype = g.compute_dtype()
+    if out.dtype == dtype:
+        return out.view(g.world, g.total)
+    if out.dtype == torch.uint8:  # int8 wire format, see fullshard.quant
+        rows = torch.empty(g.world, g.total, dtype=dtype, device=g.device)
+        dequantize_int8(out.view(g.world, -1), g.total, g.comm_policy.block_size, rows)
+        return rows
+    return out.view(g.world, g.total).to(dtype)
+
+
+def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
+    """Wait for ``pending`` and make sure the unsharded buffer holds the parameters."""
+    pending.handle.wait()
+    emit("gather_wait", g.name)
+    if pending.packed is None:  # gathered in pieces: already in place
+        return
+    buf = g.unsharded_buf
+    assert buf is not None
+    # Refilling the buffer is not a mutation autograd must see: saved views hold the same
+    # values they had when saved (see [Note: why storage is resized, not freed]).
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+        _allocate(buf)
+        sizes = [sp.shard_numel for sp in g.params]
+        torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())

@@ -1,0 +1,159 @@
+"""Init-time work: claiming parameters at ``fully_shard``, and the root's lazy init.
+
+``claim_params`` (at ``fully_shard``) turns every parameter of a new unit that no unit below
+owns into a :class:`~fullshard.param.ShardedParam`. ``lazy_init`` (the root's first forward,
+or an explicit ``unshard()``) then, once for the whole model:
+
+1. names every unit and parameter by its FQN relative to the root and refuses parameters still
+   on the meta device (naming them);
+2. moves a parameter tied across units to the innermost unit that encloses every module using
+   it (FSDP2 refuses such models);
+3. builds each unit's layout (unsharded views, gradient hooks), resolves
+   ``reshard_after_forward`` (``None``: False for the root, True for the rest; int ``k``: a
+   ``k``-rank subgroup) and hands every unit the shared
+   :class:`~fullshard.context.StepContext`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .context import StepContext
+from .hooks import FSDPState, states_under
+from .mesh import MeshInfo
+from .param import ShardedParam
+
+__all__ = ["check_reshard_after_forward", "claim_params", "lazy_init", "resolve_reshard"]
+
+
+def check_reshard_after_forward(value: object, world: int | None) -> None:
+    """Validate a ``reshard_after_forward`` value (``world``: the shard group size, if known)."""
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"reshard_after_forward must be True, False, None or a positive int, got {value!r}"
+        )
+    if world is not None and world % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group size {world}: after "
+            f"forward each group of {value} ranks keeps one copy sharded among them"
+        )
+
+
+def claim_params(
+    modules: tuple[nn.Module, ...],
+    info: MeshInfo,
+    device: torch.device,
+    ignored: set[int],
+    pin_memory: bool,
+) -> list[ShardedParam]:
+    """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones."""
+    below = [sp for st in states_under(modules) for sp in st.group.params]
+    by_sharded = {id(sp.sharded_param): sp for sp in below}
+    claimed: dict[int, ShardedParam] = {}
+    new: list[ShardedParam] = []
+    for m in modules:
+        for prefix, sub in m.named_modules():
+            for name, p in list(sub._parameters.items()):
+                if p is None or id(p) in ignored:
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                sp = by_sharded.get(id(p)) or claimed.get(id(p))
+                if sp is None:
+                    sp = next((b for b in below if b.is_original(p)), None)  # tied across units
+                if sp is not None:
+                    sp.add_ref(sub, name)
+                    continue
+                if isinstance(p, DTensor):
+                    raise ValueError(
+                        f"parameter {fqn!r} of {type(m).__name__} is already sharded by a "
+                        f"fully_shard call on an enclosing module: apply fully_shard bottom-up "
+                        f"(each block first, then the root)"
+                    )
+                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory)
+                sp.add_ref(sub, name)
+                claimed[id(p)] = sp
+                new.append(sp)
+    return new
+
+
+def lazy_init(root: FSDPState) -> StepContext:
+    """Make ``root`` the root of every unit below it (see the module docstring)."""
+    states = root.subtree_states()
+    names = {id(m): n for top in root.modules for n, m in top.named_modules()}
+    meta: list[str] = []
+    for st in states:
+        unit = names.get(id(st.modules[0]), "")
+        cls = type(st.modules[0]).__name__.removeprefix("FSDP")  # the user's class name
+        st.group.name = unit or f"{cls} (root)"
+        for sp in st.group.params:
+            sp.sync_from_modules()
+            module, attr = sp.refs[0]
+            prefix = names.get(id(module), "")
+            sp.fqn = f"{prefix}.{attr}" if prefix else attr  # root-relative from now on
+            if sp.local.is_meta:
+                meta.append(sp.fqn)
+    if meta:
+        shown = meta if len(meta) <= 12 else meta[:12] + [f"... {len(meta) - 12} more"]
+        raise RuntimeError(
+            f"parameters are still on the meta device: {shown}. Call "
+            f"module.to_empty(device=...) and then reset_parameters() (or load a "
+            f"checkpoint) before the forward pass"
+        )
+    ctx = StepContext(root, states, root.group.device)
+    _assign_shared_params(states)
+    for st in states:
+        st.ctx = ctx
+        st.group.streams = ctx.streams
+        st.group.init_layout(st.on_grad_accumulated)
+        resolve_reshard(st)
+    return ctx
+
+
+def _assign_shared_params(states: list[FSDPState]) -> None:
+    """Give a parameter used by modules of several units to the innermost enclosing unit.
+
+    FSDP2 refuses a Parameter reachable from two ``fully_shard`` calls (e.g. an embedding
+    unit tied to the root's output head); here it moves to the unit whose subtree holds every
+    module that uses it, which is unsharded whenever any of them computes.
+    """
+    subtree = {id(st): {id(m) for top in st.modules for m in top.modules()} for st in states}
+    for owner in states:
+        for sp in list(owner.group.params):
+            users = {id(m) for m, _ in sp.refs}
+            if users <= subtree[id(owner)]:
+                continue
+            enclosing = [st for st in states if users <= subtree[id(st)]]
+            if not enclosing:
+                names = [type(m).__name__ + "." + n for m, n in sp.refs]
+                raise ValueError(
+                    f"parameter {sp.fqn!r} is shared by modules {names} that no single "
+                    f"fully_shard unit encloses; apply fully_shard to a common ancestor "
+                    f"(e.g. the root model) as well"
+                )
+            target = min(enclosing, key=lambda st: len(subtree[id(st)]))
+            owner.group.params.remove(sp)
+            target.group.params.append(sp)
+
+
+def resolve_reshard(state: FSDPState) -> None:
+    """Turn the unit's ``reshard_after_forward`` into ``True``/``False``/a subgroup (int k)."""
+    value = state.reshard_after_forward
+    if value is None:
+        value = not state.is_root
+    group = state.group
+    world = group.world
+    check_reshard_after_forward(value, world)
+    if not isinstance(value, bool) and isinstance(value, int):
+        if value in (1, world):
+            value = value == world
+        else:
+            assert state.ctx is not None
+            pg, index = state.ctx.post_forward_subgroup(group, value)
+            group.post_forward_group, group.post_forward_index = pg, index
+    if isinstance(value, bool):
+        group.post_forward_group = None
+    state.reshard_policy = value

@@ -1,0 +1,254 @@
+"""The gradient side of a unit: collect unsharded gradients, reduce-scatter, hand out shards.
+
+[Note: reducing in pieces]
+With the ``p2p`` transport each parameter's gradient rows are sent to their owner straight
+from the unsharded gradient, and the peers' rows for this rank land in the output shard (on
+more than 2 ranks, all but one peer's in a scratch buffer), where this rank's own rows are
+added on wait: no packed ``[world, total]`` buffer, no packing copy. The gradients stay alive
+until then (as the packed buffer would). fp16's pre-division and a reduce dtype other than the
+gradients' still pack (see [Note: packed layouts] in ``fullshard.gather``).
+
+[Note: HSDP]
+On a 2-D (replicate, shard) mesh the reduce-scatter over the shard group is followed by an
+all-reduce of the output over the replicate group. ``set_requires_all_reduce(False)`` keeps
+the reduce-scatter outputs as a partial sum instead (``PartialReduce``); the first reduction
+with the all-reduce on adds it back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from .events import emit
+from .param import ShardedParam
+
+if TYPE_CHECKING:
+    from .group import ParamGroup
+    from .streams import CommStreams
+
+__all__ = ["PartialReduce", "PendingReduce", "collect_grads", "start_reduce"]
+
+
+@dataclass
+class PartialReduce:
+    """Reduce-scatter outputs summed over micro-steps that skipped the HSDP all-reduce."""
+
+    total: torch.Tensor | None = None
+    params: list[ShardedParam] | None = None
+
+    def add(self, output: torch.Tensor, params: list[ShardedParam]) -> None:
+        self._check(params)
+        if self.total is None:
+            self.total, self.params = output, params
+        else:
+            self.total.add_(output)
+
+    def drain_into(self, output: torch.Tensor, params: list[ShardedParam]) -> None:
+        if self.total is not None:
+            self._check(params)
+            output.add_(self.total)
+        self.total, self.params = None, None
+
+    def _check(self, params: list[ShardedParam]) -> None:
+        if self.params is not None and [id(p) for p in params] != [id(p) for p in self.params]:
+            raise RuntimeError(
+                "the parameters with gradients changed between micro-steps that skipped the "
+                "all-reduce (set_requires_all_reduce(False)); keep the same parameters in use"
+            )
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter (and, for HSDP, the all-reduce after it) in flight."""
+
+    unit: str
+    handle: C.Handle
+    output: torch.Tensor  # 1D, this rank's padded gradient shards
+    params: list[ShardedParam]
+    offsets: list[int]
+    replicate_group: dist.ProcessGroup | None
+    divide_after: float
+    send: object  # what the collective reads (packed input or gradients) until it ends
+    what: str  # for error messages
+    streams: CommStreams
+    offload: bool = False
+    pin: bool = False
+    # HSDP with set_requires_all_reduce(False): keep the reduce-scatter output as a partial
+    # sum in ``partial`` (shared with the group) instead of producing gradients.
+    partial: PartialReduce | None = None
+    allreduce_issued: bool = False
+
+    def advance(self) -> None:
+        """Once the reduce-scatter is done, start the all-reduce across replicas (HSDP)."""
+        if self.replicate_group is not None and not self.allreduce_issued:
+            self.handle.wait()
+            self.send = None
+            if self.partial is not None:
+                self.partial.drain_into(self.output, self.params)
+            with self.streams.use("reduce"):
+                self.handle = C.all_reduce(self.output, self.replicate_group, what=self.what)
+            self.allreduce_issued = True
+
+    def finish(self) -> None:
+        """Wait, then hand every parameter its gradient shard (or keep a partial sum)."""
+        self.advance()
+        self.handle.wait()
+        emit("reduce_wait", self.unit)
+        self.send = None  # the compute stream has waited for the collective: safe to free
+        if self.replicate_group is None and self.partial is not None:
+            self.partial.add(self.output, self.params)
+            return
+        if self.divide_after != 1.0:
+            self.output.div_(self.divide_after)
+        for sp, off in zip(self.params, self.offsets):
+            shard = self.output[off : off + sp.local_numel]
+            if self.offload:
+                emit("d2h", self.unit, nbytes=shard.numel() * shard.element_size())
+                shard = self.streams.to_host(shard, self.pin)
+            sp.make_grad(shard)
+
+
+def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
+    """Take the unit's unsharded gradients off its parameters.
+
+    With gradient sync on, returns ``(param, gradient)`` pairs to reduce (accumulated
+    gradients from skipped micro-steps added in). With it off, gradients are accumulated
+    unsharded (in the reduce dtype) and nothing is returned.
+    """
+    reduce_dtype = g.accum_dtype()
+    ready: list[tuple[ShardedParam, torch.Tensor]] = []
+    with torch.no_grad():
+        for sp in g.params:
+            up = sp.unsharded_param
+            grad = up.grad if up is not None else None
+            if up is not None:
+                up.grad = None
+            if grad is not None:
+                if sp.unsharded_accum_grad is not None:
+                    sp.unsharded_accum_grad.add_(grad)
+                    grad = sp.unsharded_accum_grad
+                elif grad.dtype != reduce_dtype and not g.requires_gradient_sync:
+                    grad = grad.to(reduce_dtype)
+            elif sp.unsharded_accum_grad is not None:
+                grad = sp.unsharded_accum_grad
+            if grad is None:
+                continue
+            if g.requires_gradient_sync:
+                sp.unsharded_accum_grad = None
+                ready.append((sp, grad))
+            else:
+                sp.unsharded_accum_grad = grad
+        del grad  # ``ready`` must hold the only references (see _reduce_packed)
+    return ready
+
+
+def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) -> PendingReduce:
+    """Reduce-scatter ``ready``'s gradients the way the unit's transport says; empties
+    ``ready`` (so the caller holds no gradient references)."""
+    dtype = g.wire_reduce_dtype()
+    offsets, off = [], 0
+    for sp, _ in ready:
+        offsets.append(off)
+        off += sp.shard_numel
+    factor = g.gradient_divide_factor
+    if factor is None:
+        factor = float(g.world * g.info.replicate_size)
+    if g.force_sum_reduction:
+        factor = 1.0
+    # fp16 sums overflow easily: divide by sqrt(factor) before and after the reduction.
+    pre = math.sqrt(factor) if dtype == torch.float16 else 1.0
+    hsdp = g.info.replicate_size > 1
+    in_pieces = (
+        g.transport.reduces_in_pieces
+        and pre == 1.0
+        and all(grad.dtype == dtype and grad.is_contiguous() for _, grad in ready)
+    )
+    emit("reduce_issue", g.name, "pieces" if in_pieces else "packed")
+    params = [sp for sp, _ in ready]
+    grads: list[torch.Tensor | None] = [grad for _, grad in ready]
+    ready.clear()
+    what = f"gradients of unit {g.name!r}"
+    with torch.no_grad():
+        if in_pieces:
+            handle, out, send = _reduce_in_pieces(g, params, grads, offsets, off, dtype, what)
+        else:
+            handle, out, send = _reduce_packed(g, params, grads, offsets, off, dtype, pre, what)
+    return PendingReduce(
+        g.name,
+        handle,
+        out,
+        params,
+        offsets,
+        g.info.replicate_group if hsdp and g.requires_all_reduce else None,
+        factor / pre,
+        send,
+        what,
+        g.streams,
+        offload=g.offloaded,
+        pin=g.pin_memory,
+        partial=g.partial if hsdp else None,
+    )
+
+
+def _reduce_packed(
+    g: ParamGroup,
+    params: list[ShardedParam],
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    total: int,
+    dtype: torch.dtype,
+    pre: float,
+    what: str,
+) -> tuple[C.Handle, torch.Tensor, object]:
+    """Pack the gradients into one ``[world, total]`` buffer and reduce-scatter it.
+
+    Packing runs on the compute stream and drops each full-size gradient right after its copy
+    (peak: the buffer + one gradient); only the collective runs on the reduce stream.
+    """
+    world = g.world
+    send = torch.empty(world, total, dtype=dtype, device=g.device)
+    for i, (sp, o) in enumerate(zip(params, offsets)):
+        grad = grads[i]
+        assert grad is not None
+        grads[i] = None  # the packed copy is all we need from here on
+        sp.pack_grad(grad, send[:, o : o + sp.shard_numel])
+        del grad
+    if pre != 1.0:
+        send.div_(pre)
+    # One rank: the packed buffer already is the result (no copy, no second buffer).
+    out = send.view(-1) if world == 1 else torch.empty(total, dtype=dtype, device=g.device)
+    with g.streams.use("reduce"):
+        handle = C.reduce_scatter(out, send.view(-1), g.info.shard_group, what=what)
+    return handle, out, send
+
+
+def _reduce_in_pieces(
+    g: ParamGroup,
+    params: list[ShardedParam],
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    total: int,
+    dtype: torch.dtype,
+    what: str,
+) -> tuple[C.Handle, torch.Tensor, object]:
+    """Reduce-scatter straight from the gradients (see [Note: reducing in pieces])."""
+    out = torch.empty(total, dtype=dtype, device=g.device)
+    for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
+        if sp.local_numel < sp.shard_numel:
+            out[o + sp.local_numel : o + sp.shard_numel].zero_()
+    flats = [grad.view(-1) for grad in grads if grad is not None]
+    per_param = [sp.grad_pieces(flat) for sp, flat in zip(params, flats)]
+    pieces = [[pp[r] for pp in per_param] for r in range(g.world)]
+    outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
+    nbytes = g.world * total * out.element_size()
+    with g.streams.use("reduce"):
+        handle = C.reduce_scatter_pieces(
+            pieces, outputs, g.info.shard_group, nbytes=nbytes, what=what
+        )
+    return handle, out, flats

@@ -1,0 +1,64 @@
+"""The two state machines of a unit: what its modules see, and where it is in the step.
+
+[Note: sharded state]
+``ShardedState`` is what the modules of a unit currently register:
+
+    SHARDED --unshard()--> UNSHARDING --wait_for_unshard()--> UNSHARDED
+       ^                       |                                 |  |
+       +------reshard()--------+ (a prefetch never used)         |  |
+       +---------------------------------reshard()---------------+  |
+    SHARDED_POST_FORWARD <--reshard_partial() (int reshard_after_forward)
+       |--unshard()--> UNSHARDING (gathers within the post-forward subgroup)
+       |--reshard()--> SHARDED (the kept copy dropped, e.g. at the end of backward)
+
+Every change goes through :func:`transition`, which refuses any other move with an error that
+names the unit: a hook firing in an unexpected order fails loudly instead of corrupting memory.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ShardedState", "TrainingState", "transition"]
+
+
+class ShardedState(enum.Enum):
+    """Which form of a unit's parameters exists (see [Note: sharded state])."""
+
+    SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # plus a copy sharded over k ranks
+    UNSHARDING = "unsharding"  # all-gather issued, not yet waited on
+    UNSHARDED = "unsharded"
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the current step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"  # gradients reduced (or accumulated) for this backward
+
+
+_S = ShardedState
+_ALLOWED: frozenset[tuple[ShardedState, ShardedState]] = frozenset(
+    {
+        (_S.SHARDED, _S.UNSHARDING),
+        (_S.SHARDED_POST_FORWARD, _S.UNSHARDING),
+        (_S.UNSHARDING, _S.UNSHARDED),
+        (_S.UNSHARDING, _S.SHARDED),
+        (_S.UNSHARDED, _S.SHARDED),
+        (_S.UNSHARDED, _S.SHARDED_POST_FORWARD),
+        (_S.SHARDED_POST_FORWARD, _S.SHARDED),
+    }
+)
+
+
+def transition(unit: str, current: ShardedState, new: ShardedState) -> ShardedState:
+    """Return ``new`` if ``current -> new`` is a legal move, else raise naming ``unit``."""
+    if (current, new) not in _ALLOWED:
+        raise RuntimeError(
+            f"unit {unit!r}: illegal state change {current.value} -> {new.value}; this is a "
+            f"fullshard bug or a hook called out of order (please report it with the model)"
+        )
+    return new

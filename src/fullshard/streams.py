@@ -1,0 +1,75 @@
+"""CUDA streams for communication and offload copies; no-ops on the CPU.
+
+[Note: streams and buffer lifetimes]
+On an accelerator the engine issues all-gathers on ``gather``, reduce-scatters on ``reduce``
+and CPU-offload copies on ``offload`` — each side stream first waits for the compute stream,
+so it sees everything queued before it. Rules that keep peak memory deterministic without
+``record_stream``:
+
+- every communication buffer is allocated on the compute (current) stream, before the side
+  stream is entered, so the caching allocator ties its memory to the compute stream;
+- the engine holds a buffer (the pending gather or reduction object keeps the reference) until
+  the compute stream has waited for the side stream's work on it (``Handle.wait`` makes the
+  current stream wait for the collective); only then is the reference dropped, so the memory
+  can only be reused by work ordered after its last use;
+- device-to-host gradient copies (offload) are waited on at the end of backward, before the
+  optimizer can read the host gradients.
+
+On the CPU there are no streams: every method runs its body directly, so the same code path
+runs in CI on every commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["CommStreams"]
+
+
+class CommStreams:
+    """The side streams one root's units share (created at lazy init)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.enabled = device.type == "cuda"
+        self._streams: dict[str, Any] = {}
+        if self.enabled:
+            for name in ("gather", "reduce", "offload"):
+                self._streams[name] = torch.cuda.Stream(device=device)
+        self._host_copies: list[Any] = []  # events of D2H copies not yet waited on
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        """Run the block on side stream ``name`` after it waits for the current stream."""
+        if not self.enabled:
+            yield
+            return
+        stream = self._streams[name]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield
+
+    def to_host(self, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+        """Copy ``tensor`` to host memory on the offload stream (waited on by
+        :meth:`wait_host_copies`); on the CPU, ``tensor`` itself."""
+        if tensor.device.type == "cpu":
+            return tensor
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        with self.use("offload"):
+            out.copy_(tensor, non_blocking=pin)
+            if self.enabled:
+                event = torch.cuda.Event()
+                event.record()
+                # ``tensor`` (device memory) must outlive the copy: keep it with the event.
+                self._host_copies.append((event, tensor))
+        return out
+
+    def wait_host_copies(self) -> None:
+        """Block until every D2H copy issued by :meth:`to_host` has landed."""
+        for event, _ in self._host_copies:
+            event.synchronize()
+        self._host_copies.clear()

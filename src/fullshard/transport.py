@@ -1,0 +1,78 @@
+"""Transport: how one unit gathers its parameters and reduces its gradients.
+
+[Note: transports]
+Two ways to move a unit's bytes, with the same results:
+
+- ``packed``: one rank-major buffer per collective. The all-gather gathers in place (this rank's
+  slot of the output is the input), then each parameter is copied out; gradients are packed
+  into one reduce-scatter input. This is what NCCL runs, and what a low-precision wire dtype
+  and int ``reshard_after_forward`` need (see ``fullshard.gather``).
+- ``p2p`` ("in pieces"): point-to-point exchanges that receive each peer's shard of each
+  parameter straight into the unsharded buffer and send each gradient piece straight from the
+  gradient — no packed buffer, no copies. On gloo it is 2-3x faster than gloo's collectives
+  (``python benchmarks/collectives.py``); where a unit needs packing (int8 wire, fp16
+  pre-division, a reduce dtype other than the gradients') it packs for that collective.
+
+``auto`` keeps what measured best: on gloo (CPU tensors) gathers in pieces up to 8 ranks and
+reductions in pieces on 2 ranks (on more, a p2p reduce-scatter needs N - 2 chunks of scratch,
++30 MiB peak RSS per rank at N = 4 on ``fullshard bench --config memory``); packed everywhere
+else (NCCL). A unit chooses once, at lazy init (:func:`select_transport`); the planner's engine
+model (``fullshard.memory.planner``) and the benchmarks' variants use the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .collectives import P2P_MAX_RANKS
+
+__all__ = ["TRANSPORTS", "Transport", "select_transport", "transport_for_group"]
+
+TRANSPORTS = ("auto", "packed", "p2p")
+
+
+@dataclass(frozen=True)
+class Transport:
+    """The chosen way for one unit: per direction, in pieces (p2p) or packed."""
+
+    requested: str  # what the CommPolicy asked for: auto | packed | p2p
+    gathers_in_pieces: bool
+    reduces_in_pieces: bool
+
+    @property
+    def name(self) -> str:
+        """``packed``, ``p2p`` or ``mixed`` (gathers in pieces, reductions packed)."""
+        if self.gathers_in_pieces and self.reduces_in_pieces:
+            return "p2p"
+        if not self.gathers_in_pieces and not self.reduces_in_pieces:
+            return "packed"
+        return "mixed"
+
+
+def select_transport(requested: str, backend: str, device_type: str, shard_size: int) -> Transport:
+    """The transport for a unit sharded over ``shard_size`` ranks of a ``backend`` group.
+
+    A pure function of its arguments (no process group needed), so the memory planner models
+    exactly what the engine will run.
+    """
+    if requested not in TRANSPORTS:
+        raise ValueError(f"CommPolicy.transport must be one of {TRANSPORTS}, got {requested!r}")
+    if requested == "packed" or shard_size == 1:
+        return Transport(requested, False, False)
+    if requested == "p2p":
+        return Transport(requested, True, True)
+    gloo = "gloo" in backend and device_type == "cpu"
+    return Transport(
+        requested,
+        gathers_in_pieces=gloo and shard_size <= P2P_MAX_RANKS,
+        reduces_in_pieces=gloo and shard_size == 2,
+    )
+
+
+def transport_for_group(
+    requested: str, group: dist.ProcessGroup, device_type: str, shard_size: int
+) -> Transport:
+    """:func:`select_transport` for a live process group."""
+    return select_transport(requested, str(dist.get_backend(group)), device_type, shard_size)

@@ -1,0 +1,184 @@
+"""When things happen, observed from outside through the engine's event log.
+
+Results and traffic counts cannot tell a prefetching engine from one that gathers late, or an
+overlapped reduce-scatter from one deferred to the end of backward; the event log
+(``fullshard.events.record_events``) can. Also: ``set_reshard_after_forward``,
+``set_is_last_backward`` and CPU offload checked by effects that vanish if they are ignored.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import CommPolicy, CPUOffloadPolicy, count_collectives
+from fullshard.events import EngineEvent, record_events
+from fullshard.testing import run_distributed
+from parity import (
+    GLOBAL_BATCH,
+    batch,
+    full_state,
+    loss_fn,
+    make_net,
+    make_optimizer,
+    reference_run,
+    shard_net,
+    sharded_step,
+)
+
+BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def _index(log: list[EngineEvent], kind: str, unit: str) -> int:
+    hits = [i for i, e in enumerate(log) if e.kind == kind and e.unit == unit]
+    assert hits, f"no {kind} event for {unit}: {[(e.kind, e.unit) for e in log]}"
+    return hits[0]
+
+
+def _order(transport: str, explicit: bool) -> dict[str, object]:
+    """One logged step after a warm-up step; returns the positions the test compares."""
+    model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport))
+    if explicit:
+        blocks = list(model.blocks)
+        for i, b in enumerate(blocks[:-1]):
+            b.set_modules_to_forward_prefetch([blocks[i + 1]])
+    opt = make_optimizer(model)
+    if not explicit:  # implicit prefetch follows the previous forward's order
+        sharded_step(model, opt, 0)
+    with record_events() as log:
+        sharded_step(model, opt, 1)
+    out: dict[str, object] = {}
+    for i in range(len(BLOCKS) - 1):
+        this, nxt = BLOCKS[i], BLOCKS[i + 1]
+        out[f"fwd {nxt} gather < {this} forward_end"] = _index(log, "gather_issue", nxt) < _index(
+            log, "forward_end", this
+        )
+    end = _index(log, "backward_end", "Net (root)")
+    out["blocks.2 reduce < blocks.1 backward_start"] = _index(
+        log, "reduce_issue", "blocks.2"
+    ) < _index(log, "backward_start", "blocks.1")
+    out["blocks.0 reduce < backward_end"] = _index(log, "reduce_issue", "blocks.0") < end
+    out["root reduce < backward_end"] = _index(log, "reduce_issue", "Net (root)") < end
+    # blocks.1 holds a never-used Linear: its gradients never all arrive, so the end-of-
+    # backward callback reduces it
+    out["blocks.1 reduce in callback"] = _index(log, "reduce_issue", "blocks.1") > end
+    return out
+
+
+def _knobs() -> dict[str, object]:
+    world = dist.get_world_size()
+    out: dict[str, object] = {}
+    for transport in ("packed", "p2p"):
+        for explicit in (False, True):
+            out[f"order {transport} explicit={explicit}"] = _order(transport, explicit)
+
+    # set_reshard_after_forward: a k that does not divide the shard group is refused, and the
+    # policy changes how many gathers backward needs
+    model = shard_net(make_net())
+    with pytest.raises(ValueError, match="must divide the shard group size") as e:
+        model.set_reshard_after_forward(world + 1)
+    out["bad k"] = str(e.value)
+    opt = make_optimizer(model)
+    gathers = {}
+    for value in (True, False, True):
+        model.set_reshard_after_forward(value)
+        with count_collectives() as stats:
+            sharded_step(model, opt, 0)
+        gathers[len(gathers)] = (value, stats.calls("all_gather"))
+    out["gathers"] = gathers
+
+    # set_is_last_backward(False): the last reductions of that backward stay in flight and
+    # finish during the next backward; gradients are exact once a last backward ends
+    model = shard_net(make_net())
+    opt = make_optimizer(model)
+    rank, per = dist.get_rank(), GLOBAL_BATCH // world
+    losses, unwaited = [], []
+    for step in range(3):
+        x, y = batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        total = torch.zeros(())
+        for i in range(2):
+            model.set_is_last_backward(i == 1)
+            half = slice(i * per // 2, (i + 1) * per // 2)
+            with record_events() as log:
+                loss = loss_fn(model(x[half]), y[half]) / 2
+                loss.backward()
+            issued = sum(e.kind == "reduce_issue" for e in log)
+            waited = sum(e.kind == "reduce_wait" for e in log)
+            unwaited.append(issued - waited)
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    out["last_backward"] = (losses, full_state(model), unwaited)
+
+    # CPU offload: shards go host -> device before each gather and gradient shards back;
+    # the event log counts those bytes (nothing without the policy)
+    copies = {}
+    for name, policy in (("offload", CPUOffloadPolicy(pin_memory=False)), ("none", None)):
+        kw = {"offload_policy": policy} if policy is not None else {}
+        model = shard_net(make_net(), **kw)
+        x, y = batch(0)
+        with record_events() as log:
+            loss_fn(
+                model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]
+            ).backward()
+        grad_bytes = sum(
+            p.grad.to_local().numel() * 4 for p in model.parameters() if p.grad is not None
+        )
+        shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+        copies[name] = (
+            sum(e.nbytes for e in log if e.kind == "h2d"),
+            sum(e.nbytes for e in log if e.kind == "d2h"),
+            grad_bytes,
+            shard_bytes,
+            sum(e.kind == "gather_issue" for e in log),
+        )
+    out["copies"] = copies
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, object]]:
+    return run_distributed(_knobs, 2, timeout=600)
+
+
+def test_prefetch_and_reduce_scatter_timing(results) -> None:
+    for r in results:
+        for case in (k for k in r if k.startswith("order")):
+            checks = r[case]
+            assert isinstance(checks, dict)
+            failed = [name for name, ok in checks.items() if not ok]
+            assert not failed, f"{case}: {failed}"
+
+
+def test_set_reshard_after_forward(results) -> None:
+    r = results[0]
+    assert "reshard_after_forward=3" in r["bad k"] and "2" in r["bad k"]
+    gathers = r["gathers"]
+    # True: forward gathers 4 units, backward regathers the 3 blocks (the root keeps its own
+    # only under None); False: backward gathers nothing
+    assert gathers[0] == (True, 8) and gathers[1] == (False, 4) and gathers[2] == (True, 8)
+
+
+def test_set_is_last_backward(results) -> None:
+    ref_losses, ref_state = reference_run(3)
+    losses, state, unwaited = results[0]["last_backward"]
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (a, b)
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], atol=1e-4, rtol=0)
+    # not-last backwards leave their final reductions in flight; the last one of each step
+    # waits for all of them (its own and the previous backward's leftovers)
+    for first, last in zip(unwaited[0::2], unwaited[1::2]):
+        assert first > 0 and first + last == 0, unwaited
+
+
+def test_cpu_offload_moves_shards_and_gradients(results) -> None:
+    for r in results:
+        h2d, d2h, grad_bytes, shard_bytes, _ = r["copies"]["offload"]
+        assert d2h == grad_bytes > 0  # every gradient shard went to the host
+        assert h2d >= shard_bytes > 0  # every shard went to the device at least once
+        assert r["copies"]["none"][:2] == (0, 0)
