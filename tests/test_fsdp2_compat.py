@@ -252,7 +252,15 @@ def _methods() -> dict[str, Any]:
         model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="FSDPModule"):
         fullshard.share_comm_ctx([nn.Linear(2, 2)])  # type: ignore[list-item]
-    fullshard.share_comm_ctx([model, _model()])
+    # share_comm_ctx: the roots use one set of streams (before their first forward)
+    a, b, c = _model(), _model(), _model()
+    fullshard.share_comm_ctx([a, b])
+    for m in (a, b, c):
+        m(x)
+    streams = [m._get_fsdp_state().ctx.streams for m in (a, b, c)]
+    assert streams[0] is streams[1] and streams[2] is not streams[0]
+    with pytest.raises(RuntimeError, match="before the first forward"):
+        fullshard.share_comm_ctx([a, b])
     return out
 
 

@@ -29,6 +29,7 @@ from .group import ParamGroup
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
 from .state import ShardedState, TrainingState
+from .streams import CommStreams
 
 __all__ = ["STATE_ATTR", "FSDPState", "states_under"]
 
@@ -79,6 +80,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True  # read on the root (set_is_last_backward)
+        self.shared_streams: CommStreams | None = None  # root: from share_comm_ctx
         self._post_forward_calls = 0
 
     @property

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
@@ -26,6 +25,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState, states_under
 from .init import check_reshard_after_forward, lazy_init, resolve_reshard
+from .streams import CommStreams
 
 __all__ = [
     "FSDPModule",
@@ -366,11 +366,22 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """FSDP2: let several roots (pipeline stages) share their CUDA communication streams.
+    """Let several roots (e.g. the model chunks of pipeline stages) share one set of CUDA
+    communication streams, as FSDP2 does, instead of one set per root.
 
-    fullshard keeps no per-root streams or buffers (collectives run on the process group's
-    own stream), so the roots already share everything; this validates ``modules``.
+    Call it after ``fully_shard`` and before the first forward; on the CPU there are no
+    streams, so it only validates ``modules``.
     """
     _check_fsdp_modules(modules, "share_comm_ctx")
-    if modules and not dist.is_initialized():
-        raise RuntimeError("share_comm_ctx needs torch.distributed to be initialised")
+    states = [_state(cast(nn.Module, m)) for m in modules]
+    if not states:
+        return
+    started = [st.name for st in states if st.ctx is not None]
+    if started:
+        raise RuntimeError(
+            f"share_comm_ctx must be called before the first forward; these roots already ran "
+            f"one: {started}"
+        )
+    shared = CommStreams(states[0].group.device)
+    for st in states:
+        st.shared_streams = shared
