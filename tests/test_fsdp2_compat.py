@@ -214,7 +214,6 @@ def _methods() -> dict[str, Any]:
     out["default"] = [p.grad.full_tensor() for p in m.parameters()]
 
     # knobs fullshard has fixed: the fixed value is accepted, others refused clearly
-    model.set_unshard_in_backward(True)
     model.set_reduce_scatter_unused_params(False)
     model.set_separate_reduce_scatter_group(False)
     model.set_reduce_scatter_max_input_buffers(1)
@@ -222,7 +221,6 @@ def _methods() -> dict[str, Any]:
     model._set_unshard_async_op(True)
     model._set_unshard_async_op(False)
     for call in (
-        lambda: model.set_unshard_in_backward(False),
         lambda: model.set_reduce_scatter_unused_params(True),
         lambda: model.set_separate_reduce_scatter_group(),
         lambda: model.set_reduce_scatter_max_input_buffers(2),
@@ -264,10 +262,48 @@ def _methods() -> dict[str, Any]:
     return out
 
 
+class EmbedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(idx)))
+
+
+def _unshard_in_backward() -> dict[str, Any]:
+    """set_unshard_in_backward(False) on an embedding unit: one all-gather fewer in backward,
+    the same losses and weights."""
+    out: dict[str, Any] = {}
+    for unshard in (True, False):
+        net = EmbedNet()
+        fully_shard(net.embed)
+        fully_shard(net.block)
+        fully_shard(net)
+        net.embed.set_unshard_in_backward(unshard)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses, gathers = [], []
+        for step in range(3):
+            idx = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+            loss = net(idx).square().mean()
+            with fullshard.count_collectives() as stats:
+                loss.backward()
+            gathers.append(stats.calls("all_gather"))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[unshard] = (losses, gathers, [p.full_tensor() for p in net.parameters()])
+    return out
+
+
 def _compat_cases() -> dict[str, Any]:
     _identity_and_validation()
     out = _methods()
     out["reset"] = _reset_cases()
+    out["unshard_in_backward"] = _unshard_in_backward()
     return out
 
 
@@ -278,3 +314,11 @@ def test_fsdp2_behaviour_on_two_ranks() -> None:
         for a, b in zip(r["set_gradient_divide_factor"], r["default"]):
             torch.testing.assert_close(a, 2 * b)
         assert r["reset"]["failing"] == r["reset"]["clean"], r["reset"]
+        (loss_on, gathers_on, w_on), (loss_off, gathers_off, w_off) = (
+            r["unshard_in_backward"][True],
+            r["unshard_in_backward"][False],
+        )
+        assert loss_off == loss_on
+        assert [g - 1 for g in gathers_on] == gathers_off  # the embedding's re-gather skipped
+        for a, b in zip(w_off, w_on):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -64,6 +64,7 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
+        self.unshard_in_backward = True  # False: backward needs no parameter (e.g. embedding)
         self.partial = PartialReduce()  # HSDP accumulation without the all-reduce
         # Post-forward partial reshard (reshard_after_forward=int): kept chunk and its group.
         self.post_forward_group: dist.ProcessGroup | None = None

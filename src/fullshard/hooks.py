@@ -162,11 +162,13 @@ class FSDPState:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         emit("backward_start", self.name)
-        self.group.wait_for_unshard()
+        if self.group.unshard_in_backward:
+            self.group.wait_for_unshard()
         targets = self.backward_prefetch
         for prev in ctx.next_in_backward(self) if targets is None else targets:
             if prev.training_state is not TrainingState.POST_BACKWARD:
-                prev.group.unshard()
+                if prev.group.unshard_in_backward:
+                    prev.group.unshard()
 
     def on_grad_accumulated(self, sp: ShardedParam) -> None:
         """Post-accumulate-grad hook of each parameter: the last one triggers post-backward."""

@@ -272,8 +272,13 @@ class FSDPModule(_TorchFSDPModule):
         ]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Whether the unit gathers its parameters for backward; fullshard always does."""
-        _not_yet("set_unshard_in_backward", unshard_in_backward, True)
+        """Whether this unit gathers its parameters for backward (not recursive).
+
+        ``False`` is for units whose backward reads no parameter (an embedding: its weight
+        gradient needs only the indices): the unit's pre-backward all-gather is skipped; its
+        gradients are still reduce-scattered.
+        """
+        _state(cast(nn.Module, self)).group.unshard_in_backward = unshard_in_backward
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2: issue pre-forward/pre-backward gathers with ``async_op`` so their buffers come
