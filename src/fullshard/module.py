@@ -156,7 +156,8 @@ class FSDPModule(_TorchFSDPModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
-        ret = super()._apply(*args, **kwargs)
+        # super(_TorchFSDPModule, ...): skip torch's FSDPModule._apply (torch's engine state).
+        ret = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
         for sp in _state(cast(nn.Module, self)).group.params:
             sp.sync_from_modules()
         return ret
