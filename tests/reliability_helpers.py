@@ -112,3 +112,25 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
     """Names whose tensors are not bit-identical (or present on one side only)."""
     names = sorted(set(a) | set(b))
     return [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]
+
+
+def save_train_checkpoint(path: Path, step: int = 1, **changes: Any) -> Path:
+    """A checkpoint like ``fullshard train`` writes (tiny GPT with ``changes`` to its shape,
+    AdamW state, sampler), written in-process on one rank."""
+    import fullshard.checkpoint as ckpt
+    from fullshard.train.config import replace
+    from fullshard.train.data import Sampler
+    from fullshard.train.models import build_model
+    from fullshard.train.optim import build_optimizer
+    from fullshard.train.presets import get_preset
+
+    cfg = replace(get_preset("tiny"), **changes)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    model(torch.zeros(2, 8, dtype=torch.long)).float().sum().backward()
+    opt.step()
+    sampler = Sampler(10_000, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=0)
+    extra = {"step": step, "tokens": 0, "sampler": sampler.state_dict(), "scaler": {}}
+    ckpt.save(path, model=model, optimizer=opt, extra=extra)
+    return path

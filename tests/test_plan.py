@@ -86,7 +86,7 @@ def test_budget_recommends_cheapest_fitting_change() -> None:
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--preset", "tiny", "--world-size", "2", "--budget", "1MiB", "--json"]) == 0
+    assert main(["--preset", "tiny", "--world-size", "2", "--budget", "2MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["peak_bytes"] > 2**20
     assert out["options"] and "peak_at" in out["plan"]
@@ -138,3 +138,55 @@ def test_peak_memory_meter_sees_a_large_allocation() -> None:
         a.untyped_storage().resize_(0)
     assert t.peak == 4000 and t.current == 0
     del b
+
+
+def test_plan_speaks_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every train preset, a run's config.toml and inline --hf-config JSON plan what train runs."""
+    from fullshard.memory.cli import _parser, _spec
+    from fullshard.train.cli import parse_config
+    from fullshard.train.config import to_toml
+    from fullshard.train.models import count_parameters
+    from fullshard.train.presets import PRESETS as TRAIN_PRESETS
+
+    for name in TRAIN_PRESETS:  # one preset table: plan reads train's
+        cfg = TRAIN_PRESETS[name]()
+        spec = _spec(_parser().parse_args(["--preset", name]))
+        assert (spec.batch, spec.seq, spec.ac) == (
+            cfg.micro_batch,
+            cfg.seq_len,
+            cfg.activation_checkpointing,
+        ), name
+        assert str(spec.param_dtype).endswith(
+            {"fp32": "32", "bf16": "bfloat16"}[cfg.mixed_precision]
+        )
+        assert (spec.hf_config is not None) == cfg.uses_hf, name
+    # a run's config.toml: the run's shape, batch and sequence
+    run = parse_config(["--preset", "tiny", "--d-model", "96", "--micro-batch", "1"])
+    (tmp_path / "config.toml").write_text(to_toml(run))
+    assert main(["--config", str(tmp_path / "config.toml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["n_params"] == count_parameters(run)
+    assert out["expected_rss_bytes"] == out["plan"]["peak_bytes"] + out["runtime_baseline_bytes"]
+    assert out["runtime_baseline_bytes"] > 100 * 2**20  # Python + torch at least
+    # inline JSON (the network is never asked: transformers builds the config locally)
+    llama = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+    }
+    assert main(["--hf-config", json.dumps(llama), "--batch", "1", "--seq", "32"]) == 0
+    text = capsys.readouterr().out
+    assert "HF llama 2x64" in text and "expected process RSS" in text and "measured" in text
+    assert main(["--hf-config", "{not json"]) == 2
+    assert "does not parse" in capsys.readouterr().err
+
+
+def test_plan_budget_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--preset", "tiny", "--budget", "10KB"]) == 1
+    captured = capsys.readouterr()
+    assert "over the budget 9.8 KiB" in captured.out and " 0.0 MiB" not in captured.out
+    assert "nothing tried fits the budget 9.8 KiB" in captured.err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,62 @@ def test_nonfinite_gradients_are_skipped_on_every_rank_then_stop(
         "NaN in one element of rank 1's gradient shard at steps 3, 6, 7, 8; --max-skipped-steps 2",
         "step 3 skipped on both ranks (state bit-identical to step 2); steps 6-8 skipped, then "
         "a clear stop (exit 1, no restart); metrics.jsonl counts 4 skips",
+        True,
+        seconds=round(seconds, 1),
+    )
+
+
+def test_damaged_newest_checkpoint_falls_back_then_disk_full_stops_at_once(
+    corpus: Path, reference: Path, tmp_path: Path
+) -> None:
+    """The reference run's newest checkpoint (step 20) gets one flipped byte in rank 1's file;
+    the rerun falls back to step 15 (saying so) and retrains steps 16-20 bit-identically. Its
+    save of step 20 then fails on rank 1 with ENOSPC: the job stops at once (exit 1, no
+    restart although --max-restarts is 1) with one final error line naming the cause and
+    the fix; the tracebacks are in RUN_DIR/logs, not on the terminal."""
+    from fullshard.checkpoint.safetensors_io import read_header
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    damaged = _final(run_dir) / "rank_00001.safetensors"
+    entries, _, _ = read_header(damaged)
+    data = bytearray(damaged.read_bytes())
+    data[min(e.begin for e in entries.values()) + 5] ^= 0x40
+    damaged.write_bytes(bytes(data))
+
+    args = tiny_args(corpus, run_dir, STEPS, "--ckpt-every", "5", "--max-restarts", "1")
+    fault = f"enospc_in_save@step={STEPS},rank=1"
+    proc, seconds = fullshard(*args, cwd=tmp_path, FULLSHARD_FAULT=fault)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    ckpts = run_dir / "checkpoints"
+    assert f"checkpoint {_final(run_dir)} is damaged (checksum mismatch in {damaged}" in out
+    assert f"resumed from {ckpts / 'step_00000015'} at step 15" in proc.stdout
+    assert _losses(run_dir) == _losses(reference)  # steps 16-20 redone exactly
+
+    last = proc.stderr.strip().splitlines()[-1]
+    partial = ckpts / f"step_{STEPS:08d}.partial" / "rank_00001.safetensors"
+    assert last.startswith(f"fullshard train: error: No space left on device ({partial})"), out
+    assert "--run-dir" in last and "run the same command again" in last
+    assert "Traceback" not in out and len(proc.stderr.splitlines()) <= 3, proc.stderr
+    assert [(f["kind"], f["attempt"]) for f in _faults(run_dir)] == [("enospc_in_save", 0)]
+    starts = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "start"]
+    assert len(starts) == 2, starts  # the reference's and this run's: no restart
+    assert "OSError: [Errno 28]" in (run_dir / "logs" / "rank_1.log").read_text()
+    record(
+        "faults",
+        "Damaged newest checkpoint",
+        "one byte flipped in rank 1's file of the newest checkpoint (step 20)",
+        "the ranks found the bad block at load and fell back to step 15 together, saying so; "
+        "steps 16-20 retrained bit-identically",
+        True,
+        seconds=round(seconds, 1),
+    )
+    record(
+        "faults",
+        "Disk full during a save",
+        "rank 1's write of the step 20 checkpoint fails with ENOSPC; --max-restarts 1",
+        f"job stopped at once (exit 1, no restart), nothing published; last line: {last}",
         True,
         seconds=round(seconds, 1),
     )

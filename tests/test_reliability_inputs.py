@@ -27,12 +27,9 @@ from typing import Any
 import pytest
 import torch
 
-import fullshard.checkpoint as ckpt
 import fullshard.train.launch as launch_mod
 from fullshard import cli
-from fullshard.train.models import build_model
-from fullshard.train.presets import get_preset
-from reliability_helpers import fullshard, record, write_corpus
+from reliability_helpers import fullshard, record, save_train_checkpoint, write_corpus
 
 
 @pytest.fixture
@@ -123,25 +120,6 @@ def test_bad_train_flags_fail_before_spawning(
 # ---------------------------------------------------------------- checkpoints
 
 
-def _save_gpt(path: Path, **changes: Any) -> Path:
-    """A checkpoint like ``fullshard train`` writes (tiny GPT with ``changes`` to its shape,
-    AdamW state, sampler), written in-process on one rank."""
-    from fullshard.train.config import replace
-    from fullshard.train.data import Sampler
-    from fullshard.train.optim import build_optimizer
-
-    cfg = replace(get_preset("tiny"), **changes)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    model(torch.zeros(2, 8, dtype=torch.long)).float().sum().backward()
-    opt.step()
-    sampler = Sampler(10_000, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=0)
-    extra = {"step": 1, "tokens": 0, "sampler": sampler.state_dict(), "scaler": {}}
-    ckpt.save(path, model=model, optimizer=opt, extra=extra)
-    return path
-
-
 def test_resume_from_a_different_model_lists_the_mismatch(
     tmp_path: Path, corpus: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -155,7 +133,7 @@ def test_resume_from_a_different_model_lists_the_mismatch(
         "shallower model": (dict(n_layer=1), ["missing keys", "blocks.1.attn"]),
     }
     for case, (changes, needles) in cases.items():
-        path = _save_gpt(tmp_path / case.replace(" ", "_") / "step_00000001", **changes)
+        path = save_train_checkpoint(tmp_path / case.replace(" ", "_") / "step_00000001", **changes)
         rc, err = _run([*base, "--resume", str(path)], capsys)
         missing = [n for n in needles if n not in err]
         ok = rc == 2 and not missing and no_launch == [] and "--preset, --d-model" in err
@@ -272,7 +250,7 @@ def _tree(root: Path) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def good_gpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _save_gpt(tmp_path_factory.mktemp("good") / "step_00000001")
+    return save_train_checkpoint(tmp_path_factory.mktemp("good") / "step_00000001")
 
 
 @pytest.mark.parametrize("case", list(CRAFTED))

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from doc_commands import hf_example
 from fullshard.testing import free_port
 from fullshard.train.config import from_toml
 from fullshard.train.launch import package_root
@@ -25,16 +26,6 @@ from fullshard.train.metrics import read_metrics
 
 STEPS = 60
 TINY = ["--preset", "tiny", "--max-steps", str(STEPS), "--ckpt-every", "20", "--log-every", "20"]
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-}
 
 
 def _env() -> dict[str, str]:
@@ -146,9 +137,10 @@ def test_interrupt_then_resume_matches_uninterrupted(
 
 
 def test_hf_llama_trains(tmp_path: Path) -> None:
+    """docs/train.md's Hugging Face example, as written there (fewer steps)."""
     run_dir = tmp_path / "run"
-    args = "--preset tiny --max-steps 30 --sample-tokens 20".split()
-    proc = _run(*args, "--hf-config", json.dumps(LLAMA), "--run-dir", str(run_dir), cwd=tmp_path)
+    args = [*hf_example(), "--max-steps", "30", "--sample-tokens", "20"]
+    proc = _run(*args, "--run-dir", str(run_dir), cwd=tmp_path)
     assert "LlamaForCausalLM" in proc.stdout
     losses = _train_losses(run_dir)
     assert len(losses) == 30 and losses[30] < losses[1] - 1.0
@@ -204,3 +196,37 @@ def test_precision_checkpointing_offload_and_time_budget(tmp_path: Path) -> None
     assert Path(stop["checkpoint"]).name == f"step_{stop['step']:08d}"
     assert Path(stop["checkpoint"]).is_dir()
     assert "time budget reached" in proc.stdout + proc.stderr
+
+
+def test_gpt_export_loads_with_the_documented_loader(
+    reference: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ckpt export --hf`` of the built-in GPT: config.json beside the weights, and
+    ``load_exported`` gives the trained model (its held-out loss is the run's last eval)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fullshard.checkpoint.cli import main as ckpt_main
+    from fullshard.train import data as data_mod
+    from fullshard.train.models import load_exported
+
+    run_dir, _ = reference
+    out = tmp_path / "gpt"
+    assert ckpt_main(["export", str(run_dir), "--hf", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "fullshard_gpt" and config["n_layer"] == 2
+    model = load_exported(out)
+    tokens = data_mod.load_tokens("")
+    held_out = data_mod.TokenData.split(tokens, 0.02, byte_level=True).eval
+    starts = data_mod.eval_starts(len(held_out), seq_len=64, count=2 * 8)
+    inputs, targets = data_mod.gather_batch(held_out, None, starts, 64)
+    with torch.no_grad():
+        loss = float(F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
+    last_eval = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert loss == pytest.approx(last_eval["loss"], rel=1e-5)
+    # an existing output file or directory is never silently overwritten
+    capsys.readouterr()
+    assert ckpt_main(["export", str(run_dir), str(tmp_path / "w.safetensors")]) == 0
+    assert ckpt_main(["export", str(run_dir), str(tmp_path / "w.safetensors")]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert ckpt_main(["export", str(run_dir), str(tmp_path / "w.safetensors"), "--force"]) == 0

@@ -3,20 +3,48 @@
 The public API mirrors PyTorch FSDP2, so existing code switches with one import::
 
     from fullshard import fully_shard, FSDPModule, MixedPrecisionPolicy
+
+The names below are imported on first use (PEP 562), so ``import fullshard`` (and the
+``fullshard`` command's ``--help``) does not import torch until something needs it.
 """
 
-from .api import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
-from .clip import clip_grad_norm_
-from .collectives import CollectiveStats, count_collectives
-from .module import FullyShardError
-from .patch import TorchFSDPPatch, patch_torch_fsdp
-from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import (
+        FSDPModule,
+        UnshardHandle,
+        fully_shard,
+        register_fsdp_forward_method,
+        share_comm_ctx,
+    )
+    from .clip import clip_grad_norm_
+    from .collectives import CollectiveStats, count_collectives
+    from .module import FullyShardError
+    from .patch import TorchFSDPPatch, patch_torch_fsdp
+    from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+# public name -> the submodule that defines it
+_LAZY = {
+    "FSDPModule": "api",
+    "UnshardHandle": "api",
+    "fully_shard": "api",
+    "register_fsdp_forward_method": "api",
+    "share_comm_ctx": "api",
+    "FullyShardError": "module",
+    "TorchFSDPPatch": "patch",
+    "patch_torch_fsdp": "patch",
+    "clip_grad_norm_": "clip",
+    "CollectiveStats": "collectives",
+    "count_collectives": "collectives",
+    "CommPolicy": "policies",
+    "CPUOffloadPolicy": "policies",
+    "MixedPrecisionPolicy": "policies",
+    "OffloadPolicy": "policies",
+}
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -37,3 +65,16 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fullshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

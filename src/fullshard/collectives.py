@@ -238,17 +238,27 @@ _P2P_TAG_SPACE = 1 << 30
 # Up to this many ranks a gloo all-gather is N - 1 sends and receives per rank; measured on 2
 # and 4 ranks. Past it, gloo's own all-gather (a ring) is used.
 P2P_MAX_RANKS = 8
+# Below this many bytes (the full buffer) gloo's own collectives win: every p2p message costs a
+# round trip that a small payload cannot amortise. ``python benchmarks/collectives.py --nproc 2
+# --sizes 0.004 0.03 0.25 1 4``: all-gather 0.8 / 1.1 / 1.2 ms (gloo) vs 2.5 / 3.6 / 3.1 ms
+# (p2p) up to 0.25 MiB, 7.0 vs 4.5 ms at 1 MiB; reduce-scatter 0.9 / 5.6 / 1.3 ms (all-reduce)
+# vs 3.6 / 5.2 / 9.2 ms (p2p) up to 0.25 MiB, 3.3 vs 1.3 ms at 1 MiB (a loaded machine).
+P2P_MIN_BYTES = 512 * 1024
 
 
-def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.device) -> str:
-    """The call that implements ``kind``: ``requested`` unless it is ``"auto"``.
+def _algorithm(
+    kind: str, requested: str, group: ProcessGroup, device: torch.device, nbytes: int
+) -> str:
+    """The call that implements ``kind`` on an ``nbytes`` buffer: ``requested`` unless it is
+    ``"auto"``.
 
-    ``"auto"`` on gloo (CPU tensors): the all-gather is a p2p exchange up to
-    ``P2P_MAX_RANKS`` ranks; the reduce-scatter is a p2p exchange on 2 ranks, where the one
-    received chunk lands in the output and needs no scratch, and an in-place all-reduce on
-    more (a p2p reduce-scatter holds N - 2 received chunks in scratch at once: 24 MiB per rank
-    on ``fullshard bench --config memory --nproc 4``, +30 MiB peak RSS, above FSDP2's).
-    Other backends use their own collective.
+    ``"auto"`` on gloo (CPU tensors), for buffers of at least ``P2P_MIN_BYTES``: the all-gather
+    is a p2p exchange up to ``P2P_MAX_RANKS`` ranks; the reduce-scatter is a p2p exchange on 2
+    ranks, where the one received chunk lands in the output and needs no scratch, and an
+    in-place all-reduce on more (a p2p reduce-scatter holds N - 2 received chunks in scratch at
+    once: 24 MiB per rank on ``fullshard bench --config memory --nproc 4``, +30 MiB peak RSS,
+    above FSDP2's). Smaller buffers use gloo's all-gather and the in-place all-reduce. Other
+    backends use their own collective.
     """
     known = ("auto", kind, "p2p", *(("all_reduce",) if kind == "reduce_scatter" else ()))
     if requested not in known:
@@ -258,9 +268,10 @@ def _algorithm(kind: str, requested: str, group: ProcessGroup, device: torch.dev
     if "gloo" not in str(dist.get_backend(group)) or device.type != "cpu":
         return kind
     size = dist.get_world_size(group)
+    large = nbytes >= P2P_MIN_BYTES
     if kind == "reduce_scatter":
-        return "p2p" if size == 2 else "all_reduce"
-    return "p2p" if size <= P2P_MAX_RANKS else kind
+        return "p2p" if size == 2 and large else "all_reduce"
+    return "p2p" if size <= P2P_MAX_RANKS and large else kind
 
 
 def _start(
@@ -325,7 +336,8 @@ def all_gather(
     if size == 1:
         return Handle(None)
     assert group is not None
-    algorithm = _algorithm("all_gather", algorithm, group, output.device)
+    nbytes = output.numel() * output.element_size()
+    algorithm = _algorithm("all_gather", algorithm, group, output.device, nbytes)
     _record("all_gather", output, size, algorithm)
     if algorithm != "p2p":
         return _start(
@@ -399,7 +411,8 @@ def reduce_scatter(
     if size == 1:
         return Handle(None)
     assert group is not None
-    algorithm = _algorithm("reduce_scatter", algorithm, group, input.device)
+    nbytes = input.numel() * input.element_size()
+    algorithm = _algorithm("reduce_scatter", algorithm, group, input.device, nbytes)
     _record("reduce_scatter", input, size, algorithm)
     me = dist.get_rank(group)
     chunks = list(input.view(size, -1))

@@ -53,10 +53,9 @@ class ParamGroup:
         self.pin_memory = pin_memory
         self.name = name  # the unit's module FQN, for messages
         self.state = ShardedState.SHARDED
-        # Chosen at lazy init (see fullshard.transport); streams are shared by the root's units.
-        self.transport: Transport = transport_for_group(
-            self.comm_policy.transport, info.shard_group, device.type, info.shard_size
-        )
+        # Chosen at lazy init (init_layout, see fullshard.transport); streams are shared by the
+        # root's units.
+        self.transport = Transport(self.comm_policy.transport, False, False)
         self.streams = CommStreams(torch.device("cpu"))
         # Knobs (set_* methods of FSDPModule).
         self.reshard_after_backward = True
@@ -76,6 +75,7 @@ class ParamGroup:
         self._layout_key: list[int] = []  # ids of the params the layout was built for
         self.offsets: list[int] = []
         self.total = 0
+        self._regions: list[torch.Tensor] = []
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -121,7 +121,15 @@ class ParamGroup:
         self.total = off
         buf = torch.empty(self.world * self.total, dtype=self.compute_dtype(), device=self.device)
         self.unsharded_buf = buf
-        for sp, region in zip(self.params, self.regions()):
+        self.transport = transport_for_group(
+            self.comm_policy.transport,
+            self.info.shard_group,
+            self.device.type,
+            self.world,
+            buf.numel() * buf.element_size(),
+        )
+        self._regions = self._make_regions()
+        for sp, region in zip(self.params, self._regions):
             up = nn.Parameter(sp.unsharded_view(region), requires_grad=sp.requires_grad)
             if sp.requires_grad:
                 up.register_post_accumulate_grad_hook(lambda _p, sp=sp: on_grad_accumulated(sp))
@@ -130,7 +138,11 @@ class ParamGroup:
         self._layout_key = key
 
     def regions(self) -> list[torch.Tensor]:
-        """Per-parameter ``[world, shard_numel]`` views of the unsharded buffer."""
+        """Per-parameter ``[world, shard_numel]`` views of the unsharded buffer (made once:
+        views stay valid across the storage's resizes)."""
+        return self._regions
+
+    def _make_regions(self) -> list[torch.Tensor]:
         assert self.unsharded_buf is not None
         out, pos = [], 0
         for sp in self.params:

@@ -13,10 +13,11 @@ Two ways to move a unit's bytes, with the same results:
   (``python benchmarks/collectives.py``); where a unit needs packing (int8 wire, fp16
   pre-division, a reduce dtype other than the gradients') it packs for that collective.
 
-``auto`` keeps what measured best: on gloo (CPU tensors) gathers in pieces up to 8 ranks and
-reductions in pieces on 2 ranks (on more, a p2p reduce-scatter needs N - 2 chunks of scratch,
-+30 MiB peak RSS per rank at N = 4 on ``fullshard bench --config memory``); packed everywhere
-else (NCCL). A unit chooses once, at lazy init (:func:`select_transport`); the planner's engine
+``auto`` keeps what measured best: on gloo (CPU tensors), for units of at least
+``collectives.P2P_MIN_BYTES`` (512 KiB unsharded; below it a message's round trip costs more
+than the copies saved), gathers in pieces up to 8 ranks and reductions in pieces on 2 ranks
+(on more, a p2p reduce-scatter needs N - 2 chunks of scratch, +30 MiB peak RSS per rank at
+N = 4 on ``fullshard bench --config memory``); packed everywhere else (NCCL). A unit chooses once, at lazy init (:func:`select_transport`); the planner's engine
 model (``fullshard.memory.planner``) and the benchmarks' variants use the same function.
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .collectives import P2P_MAX_RANKS
+from .collectives import P2P_MAX_RANKS, P2P_MIN_BYTES
 
 __all__ = ["TRANSPORTS", "Transport", "select_transport", "transport_for_group"]
 
@@ -51,8 +52,11 @@ class Transport:
         return "mixed"
 
 
-def select_transport(requested: str, backend: str, device_type: str, shard_size: int) -> Transport:
-    """The transport for a unit sharded over ``shard_size`` ranks of a ``backend`` group.
+def select_transport(
+    requested: str, backend: str, device_type: str, shard_size: int, unit_bytes: int
+) -> Transport:
+    """The transport for a unit of ``unit_bytes`` (its unsharded size) sharded over
+    ``shard_size`` ranks of a ``backend`` group.
 
     A pure function of its arguments (no process group needed), so the memory planner models
     exactly what the engine will run.
@@ -63,16 +67,19 @@ def select_transport(requested: str, backend: str, device_type: str, shard_size:
         return Transport(requested, False, False)
     if requested == "p2p":
         return Transport(requested, True, True)
-    gloo = "gloo" in backend and device_type == "cpu"
+    # auto: pieces only where p2p messages pay off (see collectives.P2P_MIN_BYTES)
+    pieces = "gloo" in backend and device_type == "cpu" and unit_bytes >= P2P_MIN_BYTES
     return Transport(
         requested,
-        gathers_in_pieces=gloo and shard_size <= P2P_MAX_RANKS,
-        reduces_in_pieces=gloo and shard_size == 2,
+        gathers_in_pieces=pieces and shard_size <= P2P_MAX_RANKS,
+        reduces_in_pieces=pieces and shard_size == 2,
     )
 
 
 def transport_for_group(
-    requested: str, group: dist.ProcessGroup, device_type: str, shard_size: int
+    requested: str, group: dist.ProcessGroup, device_type: str, shard_size: int, unit_bytes: int
 ) -> Transport:
     """:func:`select_transport` for a live process group."""
-    return select_transport(requested, str(dist.get_backend(group)), device_type, shard_size)
+    return select_transport(
+        requested, str(dist.get_backend(group)), device_type, shard_size, unit_bytes
+    )

@@ -17,7 +17,6 @@ from typing import Any
 
 from fullshard.bench.configs import ALL_MODES, CONFIGS, BenchConfig, get_config
 from fullshard.bench.report import markdown, table
-from fullshard.bench.runner import machine_info, run_config
 
 __all__ = ["fullshard_available", "main", "run"]
 
@@ -31,6 +30,24 @@ def fullshard_available() -> str | None:
     return None
 
 
+def _integer(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
+
+
+def _non_negative(text: str) -> int:
+    return _integer(text, 0, "zero or a positive integer")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fullshard bench",
@@ -42,12 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=sorted(CONFIGS), default="speed")
     p.add_argument("--all", action="store_true", help="run speed, comm and memory")
     p.add_argument("--nproc", help="ranks, or a comma list of world sizes (e.g. 1,2,4)")
-    p.add_argument("--steps", type=int, help="steps per run (config default otherwise)")
-    p.add_argument("--warmup", type=int, help="untimed first steps")
-    p.add_argument("--repeats", type=int, help="runs per mode (modes alternate)")
-    p.add_argument("--batch", type=int, help="global batch (per rank for `memory`)")
-    p.add_argument("--n-layer", type=int)
-    p.add_argument("--d-model", type=int)
+    p.add_argument("--steps", type=_positive, help="steps per run (config default otherwise)")
+    p.add_argument("--warmup", type=_non_negative, help="untimed first steps")
+    p.add_argument("--repeats", type=_positive, help="runs per mode (modes alternate)")
+    p.add_argument("--batch", type=_positive, help="global batch (per rank for memory)")
+    p.add_argument("--n-layer", type=_positive)
+    p.add_argument("--d-model", type=_positive)
     p.add_argument(
         "--modes", nargs="+", help=f"subset of {list(ALL_MODES)} (comma or space separated)"
     )
@@ -85,6 +102,8 @@ def run(cfgs: list[BenchConfig], *, timeout: float, quiet: bool = False) -> dict
     def log(msg: str) -> None:
         if not quiet:
             print(msg, file=sys.stderr, flush=True)
+
+    from fullshard.bench.runner import machine_info, run_config  # imports torch
 
     skipped: dict[str, str] = {}
     why = fullshard_available()

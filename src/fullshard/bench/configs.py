@@ -47,7 +47,10 @@ class BenchConfig:
         if bad:
             raise ValueError(f"unknown modes {bad}; choose from {list(ALL_MODES)}")
         if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"need 0 <= warmup ({self.warmup}) < steps ({self.steps})")
+            raise ValueError(
+                f"--warmup ({self.warmup}) must be at least 0 and less than --steps "
+                f"({self.steps}); lower --warmup or raise --steps"
+            )
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         for n in self.nprocs:

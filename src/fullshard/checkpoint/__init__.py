@@ -20,14 +20,16 @@ from .full_state_dict import (
 )
 from .loading import load
 from .manager import CheckpointManager
-from .manifest import CheckpointError
+from .manifest import CheckpointCorruptedError, CheckpointError, CheckpointMismatchError
 from .reader import CheckpointReader
 from .rng import rng_state_from_json, rng_state_to_json
 from .saving import SaveHandle, save, wait_for_pending_save
 
 __all__ = [
+    "CheckpointCorruptedError",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointMismatchError",
     "CheckpointReader",
     "SaveHandle",
     "clean_partial",

@@ -1,25 +1,24 @@
 """``fullshard ckpt``: inspect a checkpoint, or export it as one full safetensors model.
 
     fullshard ckpt inspect CKPT [--no-verify]
-    fullshard ckpt export CKPT OUT.safetensors [--dtype bf16] [--max-shard-size 5GB]
+    fullshard ckpt export CKPT OUT.safetensors [--dtype bf16] [--max-shard-size 5GB] [--force]
+    fullshard ckpt export CKPT --hf DIR [--dtype bf16] [--force]     # a loadable model directory
 
 CKPT is a checkpoint directory, a checkpoints root, or a run directory containing
 ``checkpoints/`` (meaning its newest complete checkpoint).
 
-Export streams: it writes the safetensors header first (every shape is known from the manifest),
-then assembles, converts and writes one tensor at a time, so its peak memory is about the
+Export streams (see :mod:`fullshard.checkpoint.export`): its peak memory is about the
 largest tensor, not the model. When the model is larger than ``--max-shard-size`` it writes a
 Hugging Face style set (``model-00001-of-00003.safetensors`` ... plus
 ``model.safetensors.index.json``). Tied weights are written under every name so that
-``model.load_state_dict`` accepts the file as is.
+``model.load_state_dict`` accepts the file as is. ``--hf DIR`` writes a model directory
+(config.json, shards + index, tokenizer). An existing output is refused unless ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -27,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from .export import export, export_hf
 from .manifest import CheckpointError, TensorRecord
 from .reader import CheckpointReader
-from .safetensors_io import SafetensorsError, tensor_bytes, write_header
+from .safetensors_io import SafetensorsError
 
 __all__ = ["export", "inspect", "main"]
 
@@ -108,108 +108,30 @@ def _dtype_name(rec: TensorRecord) -> str:
     return str(rec.dtype).removeprefix("torch.")
 
 
-def export(
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype | None = None,
-    max_shard_size: int = 5 * 10**9,
-) -> list[Path]:
-    """Write the checkpoint's full model weights to safetensors; return the files written.
-
-    Floating-point tensors are cast to ``dtype`` when given. Streams one tensor at a time.
-    """
-    reader = CheckpointReader(path)
-    m = reader.manifest
-    out = Path(out)
-    # (name in the file, record, stored name); tied names are written as copies
-    items = [(k, rec, k) for k, rec in m.model.items()]
-    items += [(alias, m.model[src], src) for alias, src in m.model_aliases.items()]
-
-    def out_dtype(rec: TensorRecord) -> torch.dtype:
-        return dtype if dtype is not None and rec.dtype.is_floating_point else rec.dtype
-
-    def out_bytes(rec: TensorRecord) -> int:
-        return rec.nbytes // rec.dtype.itemsize * out_dtype(rec).itemsize
-
-    groups: list[list[tuple[str, TensorRecord, str]]] = [[]]
-    size = 0
-    for item in items:
-        n = out_bytes(item[1])
-        if groups[-1] and size + n > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
-    if len(groups) == 1:
-        names = [out]
-    else:
-        stem = out.name.removesuffix(".safetensors")
-        names = [
-            out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
-            for i in range(len(groups))
-        ]
-    for name in m.files:  # sizes, header checksums, dtypes, shapes: fail before writing
-        reader.check_file(name)
-    # Two buffers reused for every tensor (read, and cast when --dtype changes it): allocating
-    # and freeing one per tensor lets malloc keep freed blocks and RSS creep past one tensor.
-    read_buf = torch.empty(max((r.nbytes for _, r, _ in items), default=0), dtype=torch.uint8)
-    cast_buf = torch.empty(
-        max((out_bytes(r) for _, r, _ in items if out_dtype(r) != r.dtype), default=0),
-        dtype=torch.uint8,
-    )
-    made_dir = not out.parent.exists()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    try:
-        for target, group in zip(names, groups):
-            tmp = target.with_name(target.name + ".tmp")
-            written.append(tmp)
-            with open(tmp, "wb") as f:
-                entries = [(k, out_dtype(r), r.shape) for k, r, _ in group]
-                write_header(f, entries, {"format": "pt"})
-                for _, rec, src in group:
-                    buf = _view(read_buf, rec.dtype, rec.shape)
-                    t = reader.read_full(rec, f"model/{src}", buf)
-                    if out_dtype(rec) != rec.dtype:
-                        t = _view(cast_buf, out_dtype(rec), rec.shape).copy_(t)
-                    f.write(tensor_bytes(t))
-            os.replace(tmp, target)
-            written[-1] = target
-    except BaseException:  # e.g. a corrupted block found mid-stream: leave nothing behind
-        for path in written:
-            path.unlink(missing_ok=True)
-        if made_dir:
-            with contextlib.suppress(OSError):
-                out.parent.rmdir()
-        raise
-    if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(out_bytes(r) for _, r, _ in items)},
-            "weight_map": {k: names[i].name for i, g in enumerate(groups) for k, _, _ in g},
-        }
-        index_path = out.with_name(out.name + ".index.json")
-        index_path.write_text(json.dumps(index, indent=2))
-        return [*names, index_path]
-    return names
-
-
-def _view(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The first bytes of the uint8 ``buf`` as a contiguous ``dtype`` tensor of ``shape``."""
-    n = math.prod(shape) * dtype.itemsize
-    return buf[:n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
-
-
 def main(argv: list[str]) -> int:
     """Entry point of ``fullshard ckpt``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="fullshard ckpt", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="fullshard ckpt", description=__doc__.split("\n\n")[0].replace("``", "")
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="show what a checkpoint holds and verify it")
     p_inspect.add_argument("ckpt", help="checkpoint dir, checkpoints root, or run dir")
     p_inspect.add_argument("--no-verify", action="store_true", help="skip checksum verification")
     p_export = sub.add_parser("export", help="write the full model as safetensors")
     p_export.add_argument("ckpt", help="checkpoint dir, checkpoints root, or run dir")
-    p_export.add_argument("out", help="output file, e.g. model.safetensors")
+    p_export.add_argument("out", nargs="?", help="output file, e.g. model.safetensors")
+    p_export.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write a model directory instead: config.json, safetensors shards + index and the "
+        "run's tokenizer (Hugging Face from_pretrained; fullshard.train.models.load_exported)",
+    )
+    p_export.add_argument("--force", action="store_true", help="overwrite an existing output")
+    p_export.add_argument(
+        "--model-config",
+        metavar="CONFIG.json",
+        help="with --hf, for checkpoints that do not record their model: its HF config.json",
+    )
     p_export.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors")
     p_export.add_argument(
         "--max-shard-size",
@@ -218,19 +140,36 @@ def main(argv: list[str]) -> int:
         help="split into a Hugging Face style sharded set above this size (default 5GB)",
     )
     args = parser.parse_args(argv)
+    if args.command == "export" and (args.out is None) == (args.hf is None):
+        parser.error("export: give an output file OUT.safetensors or --hf DIR (one of them)")
     try:
         if args.command == "inspect":
             return inspect(args.ckpt, verify=not args.no_verify)
-        files = export(
-            args.ckpt,
-            args.out,
-            dtype=_DTYPES[args.dtype] if args.dtype else None,
-            max_shard_size=args.max_shard_size,
-        )
+        dtype = _DTYPES[args.dtype] if args.dtype else None
+        if args.hf is not None:
+            model = None
+            if args.model_config:
+                model = {"kind": "hf", "config": json.loads(Path(args.model_config).read_text())}
+            files = export_hf(
+                args.ckpt,
+                args.hf,
+                dtype=dtype,
+                max_shard_size=args.max_shard_size,
+                force=args.force,
+                model=model,
+            )
+        else:
+            files = export(
+                args.ckpt,
+                args.out,
+                dtype=dtype,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.force,
+            )
         for f in files:
             print(f"wrote {f} ({f.stat().st_size} bytes)")
         return 0
-    except (CheckpointError, SafetensorsError, OSError) as e:
+    except (CheckpointError, SafetensorsError, OSError, ValueError) as e:
         print(f"fullshard ckpt {args.command}: error: {e}", file=sys.stderr)
         return 2
 

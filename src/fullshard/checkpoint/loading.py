@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .manifest import CheckpointError, Manifest, TensorRecord
+from .manifest import CheckpointError, CheckpointMismatchError, Manifest, TensorRecord
 from .reader import CheckpointReader
 from .safetensors_io import ST_TO_DTYPE
 from .saving import wait_for_pending_save
@@ -105,19 +105,13 @@ def apply_model_state(
         if k in shapes and tuple(t.shape) != tuple(shapes[k])
     ]
     if wrong or (strict and (missing or unexpected)):
-        raise CheckpointError(
-            f"{where} does not fit the model: "
-            + "; ".join(
-                part
-                for part in (
-                    f"missing keys {missing}" if missing else "",
-                    f"unexpected keys {unexpected}" if unexpected else "",
-                    f"shape mismatches [{', '.join(wrong)}]" if wrong else "",
-                )
-                if part
-            )
-            + ". Load into the model the checkpoint was saved from, or pass strict=False "
-            "to skip missing/unexpected keys."
+        raise CheckpointMismatchError(
+            f"{where} does not fit the model",
+            "Load it into the model it was saved from"
+            + (", or pass strict=False to skip missing/unexpected keys" if strict else ""),
+            missing=missing if strict else [],
+            unexpected=unexpected if strict else [],
+            shapes=wrong,
         )
     batch: dict[str, torch.Tensor] = {}
     batch_bytes = 0
@@ -167,10 +161,11 @@ def optimizer_state_dict(
     for gi, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
         fqns = [fqn_of.get(id(p), "<not in model>") for p in group["params"]]
         if set(fqns) != set(saved["params"]):
-            raise CheckpointError(
-                f"{where}: optimizer param group {gi} differs: only in checkpoint "
-                f"{sorted(set(saved['params']) - set(fqns))}, only in optimizer "
-                f"{sorted(set(fqns) - set(saved['params']))}"
+            raise CheckpointMismatchError(
+                f"{where}: optimizer param group {gi} holds other parameters than the optimizer's",
+                "Build the model and optimizer the checkpoint was saved from",
+                missing=sorted(set(fqns) - set(saved["params"])),
+                unexpected=sorted(set(saved["params"]) - set(fqns)),
             )
         # Saved options win; options the live group has and the checkpoint lacks are kept.
         options = {k: v for k, v in group.items() if k != "params"}

@@ -29,7 +29,9 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "CheckpointCorruptedError",
     "CheckpointError",
+    "CheckpointMismatchError",
     "Manifest",
     "OptimizerRecord",
     "ShardRecord",
@@ -51,6 +53,55 @@ Scalar = int | float | bool | str | None
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, malformed, corrupted or does not fit the model."""
+
+
+class CheckpointCorruptedError(CheckpointError):
+    """A checkpoint's files are damaged: unreadable manifest, a missing, truncated or altered
+    file, a block checksum mismatch. Another (earlier) checkpoint may still be intact."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """An intact checkpoint does not fit the model or optimizer it is loaded into.
+
+    ``what`` says what does not fit, ``fix`` how to fix it; ``missing`` (names the model has
+    and the checkpoint lacks), ``unexpected`` (names the checkpoint has and the model lacks)
+    and ``shapes`` (``"name: checkpoint [..] vs model [..]"``) list every difference; the
+    message shows the first few of each.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        fix: str,
+        *,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        shapes: list[str] | None = None,
+    ) -> None:
+        self.what, self.fix = what, fix
+        self.missing = missing or []
+        self.unexpected = unexpected or []
+        self.shapes = shapes or []
+        super().__init__(f"{what}: {self.differences(8)}. {fix}")
+
+    def differences(self, first: int = 4) -> str:
+        """The first ``first`` names of each kind of difference, on one line."""
+        parts = [
+            f"{what} {_first([repr(n) for n in names] if quote else names, first)}"
+            for what, names, quote in (
+                ("missing keys", self.missing, True),
+                ("unexpected keys", self.unexpected, True),
+                ("shape mismatches", self.shapes, False),
+            )
+            if names
+        ]
+        return "; ".join(parts)
+
+
+def _first(items: list[str], n: int) -> str:
+    """``[a, b, c] and 7 more``: a list kept to one line."""
+    shown = "[" + ", ".join(items[:n]) + "]"
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 @dataclass(frozen=True, slots=True)

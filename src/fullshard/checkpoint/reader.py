@@ -20,6 +20,7 @@ import torch
 from .durability import resolve_checkpoint
 from .manifest import (
     MANIFEST_NAME,
+    CheckpointCorruptedError,
     CheckpointError,
     Manifest,
     ShardRecord,
@@ -51,8 +52,13 @@ class CheckpointReader:
         mpath = self.path / MANIFEST_NAME
         size = mpath.stat().st_size
         if size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{mpath} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
-        self.manifest: Manifest = parse_manifest(mpath.read_bytes(), str(mpath))
+            raise CheckpointCorruptedError(
+                f"{mpath} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
+            )
+        try:
+            self.manifest: Manifest = parse_manifest(mpath.read_bytes(), str(mpath))
+        except CheckpointError as e:
+            raise CheckpointCorruptedError(str(e)) from e
         self._headers: dict[str, dict[str, HeaderEntry]] = {}
         # file -> the (tensor name, record, shard) it holds, in manifest order
         self._by_file: dict[str, list[tuple[str, TensorRecord, ShardRecord]]] = {
@@ -72,19 +78,19 @@ class CheckpointReader:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing; it holds {held}. {_FIX}") from None
+            raise CheckpointCorruptedError(f"{path} is missing; it holds {held}. {_FIX}") from None
         if size != want["bytes"]:
             kind = "truncated" if size < want["bytes"] else "longer than recorded"
-            raise CheckpointError(
+            raise CheckpointCorruptedError(
                 f"{path} is {kind}: {size} bytes on disk, manifest says {want['bytes']}; it "
                 f"holds {held}. {_FIX}"
             )
         try:
             entries, _, head = read_header(path)
         except SafetensorsError as e:
-            raise CheckpointError(f"{e}; it holds {held}. {_FIX}") from e
+            raise CheckpointCorruptedError(f"{e}; it holds {held}. {_FIX}") from e
         if zlib.crc32(head) != want["header_crc32"]:
-            raise CheckpointError(
+            raise CheckpointCorruptedError(
                 f"{path}: header checksum {zlib.crc32(head):#010x} != manifest "
                 f"{want['header_crc32']:#010x}; the file is corrupted. It holds {held}. {_FIX}"
             )
@@ -92,7 +98,7 @@ class CheckpointReader:
             entry = entries.get(s.key)
             if entry is None or entry.dtype != rec.dtype or entry.shape != s.shape:
                 got = "missing" if entry is None else f"{entry.dtype} {list(entry.shape)}"
-                raise CheckpointError(
+                raise CheckpointCorruptedError(
                     f"{path}: tensor {tname} (key {s.key!r}) should be {rec.dtype} "
                     f"{list(s.shape)} but the file has {got}. {_FIX}"
                 )
@@ -209,7 +215,7 @@ class CheckpointReader:
     ) -> None:
         got = zlib.crc32(raw)
         if got != want:
-            raise CheckpointError(
+            raise CheckpointCorruptedError(
                 f"checksum mismatch in {path} for tensor {name} (key {s.key!r}, rows "
                 f"[{rows[0]}, {rows[1]}) of the shard at offset {list(s.offset)}): expected "
                 f"crc32 {want:#010x}, got {got:#010x}. The file is corrupted; {_FIX}"

@@ -3,6 +3,9 @@
 Examples::
 
     fullshard plan --preset speed --world-size 2
+    fullshard plan --preset llama-8b --world-size 8 --budget 80GiB     # a `fullshard train` preset
+    fullshard plan --config runs/tiny/config.toml                      # a train run's config
+    fullshard plan --hf-config '{"model_type": "llama", "hidden_size": 512, ...}'
     fullshard plan --n-layer 24 --d-model 2048 --world-size 8 --dtype bf16 --batch 4 --seq 2048
     fullshard plan --preset gpt-1.3b --world-size 4 --budget 16GiB
     fullshard plan --hf-config path/to/config.json --world-size 8 --mesh 2x4 --ac
@@ -28,9 +31,10 @@ __all__ = ["PRESETS", "Option", "main", "parse_bytes", "recommend"]
 
 _MIB = 2**20
 
-#: name -> (GPTConfig fields, per-rank micro-batch, sequence length). Byte-level vocabulary.
+#: Shapes of plan's own (beyond every ``fullshard train`` preset, which plan reads from
+#: :data:`fullshard.train.presets.PRESETS`): name -> (GPTConfig fields, per-rank micro-batch,
+#: sequence length). Byte-level vocabulary.
 PRESETS: dict[str, tuple[dict[str, int], int, int]] = {
-    "tiny": ({"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 32}, 2, 32),
     "speed": ({"n_layer": 6, "d_model": 512, "n_head": 8, "seq_len": 256}, 4, 256),
     "comm": ({"n_layer": 6, "d_model": 512, "n_head": 8, "seq_len": 256}, 1, 256),
     "memory": ({"n_layer": 12, "d_model": 1024, "n_head": 16, "seq_len": 256}, 1, 256),
@@ -60,8 +64,33 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * (_UNITS[m.group(2)] if m.group(2) else 1))
 
 
+#: What a CPU training rank holds beyond its tensors and the libraries this process has
+#: loaded (gloo process group and threads, allocator caches, the data): a stated constant,
+#: measured as peak RSS minus (tensor peak + this process's RSS) of ``fullshard train --preset
+#: tiny`` ranks (torch 2.13, 2 gloo ranks, embedded corpus): 341 - (2 + 262) MiB, rounded.
+RANK_RUNTIME_EXTRA = 80 * _MIB
+
+
 def _fmt(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / _MIB:.1f} MiB"
+    """Bytes in the unit that keeps 1-4 significant digits (B, KiB, MiB, GiB)."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= _MIB:
+        return f"{n / _MIB:.1f} MiB"
+    if n >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n:.0f} B"
+
+
+def _process_rss() -> int:
+    """This process's resident bytes now (Linux /proc; 0 elsewhere)."""
+    import os
+    from pathlib import Path
+
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,17 +101,36 @@ def _parser() -> argparse.ArgumentParser:
         "tensors) and communication buffers; the timeline peak and where it occurs.",
     )
     m = p.add_argument_group("model (a preset, explicit shape, or a Hugging Face config)")
-    m.add_argument("--preset", choices=sorted(PRESETS))
+    m.add_argument(
+        "--preset",
+        choices=_preset_names(),
+        help="a fullshard train preset (tiny, small, gpt2-124m, llama-1b, llama-8b) or a plan "
+        "shape (speed, comm, memory, gpt-*)",
+    )
+    m.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="a fullshard train config (e.g. runs/NAME/config.toml): plan that run",
+    )
     m.add_argument("--n-layer", type=int)
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-head", type=int)
     m.add_argument("--vocab-size", type=int)
     m.add_argument("--tie-embeddings", action="store_true")
-    m.add_argument("--hf-config", help="config.json (or its folder) of a Hugging Face causal LM")
+    m.add_argument(
+        "--hf-config",
+        metavar="PATH_OR_JSON",
+        help="a Hugging Face causal LM: inline JSON with a model_type, a config.json, or its "
+        "folder (read locally; nothing is downloaded)",
+    )
     r = p.add_argument_group("run")
     r.add_argument("--world-size", type=int, default=2)
     r.add_argument("--mesh", help="RxS: R replicas of S-way sharding (HSDP); R*S = world size")
-    r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="param_dtype")
+    r.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="param_dtype (default: fp32, or the config's)",
+    )
     r.add_argument("--offload", action="store_true", help="CPU-offload sharded states")
     r.add_argument("--batch", type=int, help="micro-batch per rank (sequences)")
     r.add_argument("--seq", type=int, help="sequence length")
@@ -112,7 +160,68 @@ def _parser() -> argparse.ArgumentParser:
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _preset_names() -> list[str]:
+    from fullshard.train.presets import PRESETS as TRAIN_PRESETS
+
+    return [*TRAIN_PRESETS, *sorted(set(PRESETS) - set(TRAIN_PRESETS))]
+
+
+def _mesh(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    mm = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not mm:
+        raise ValueError(f"--mesh {text!r}: expected RxS, e.g. 2x4")
+    return int(mm.group(1)), int(mm.group(2))
+
+
+def _train_spec(args: argparse.Namespace) -> PlanSpec:
+    """The plan of what ``fullshard train`` would run with these flags (one config path)."""
+    from fullshard.train import hf
+    from fullshard.train.cli import parse_config
+    from fullshard.train.config import ConfigError
+    from fullshard.train.models import gpt_config
+
+    argv: list[str] = []
+    for name in ("config", "preset", "hf_config", "n_layer", "d_model", "n_head", "vocab_size"):
+        if getattr(args, name) is not None:
+            argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.tie_embeddings:
+        argv.append("--tie-embeddings")
+    try:
+        cfg = parse_config(argv)
+        model = None if cfg.uses_hf else gpt_config(cfg)
+        hf_cfg = hf.make_config(hf.parse_config(cfg.hf_config_source)) if cfg.uses_hf else None
+    except (ConfigError, hf.HFError) as e:
+        raise ValueError(str(e)) from None
+    except SystemExit:  # argparse printed the error
+        raise ValueError("see the message above") from None
+    seq = args.seq or cfg.seq_len
+    if model is not None and model.seq_len < seq:
+        model = dataclasses.replace(model, seq_len=seq)
+    return PlanSpec(
+        model=model,
+        hf_config=hf_cfg,
+        world_size=args.world_size,
+        mesh=_mesh(args.mesh),
+        param_dtype=_DTYPES[args.dtype or cfg.mixed_precision],
+        offload=args.offload or cfg.cpu_offload,
+        batch=args.batch or cfg.micro_batch,
+        seq=seq,
+        optimizer=args.optimizer,
+        ac=args.ac or cfg.activation_checkpointing,
+        reshard_after_forward=not args.no_reshard_after_forward
+        and cfg.reshard_after_forward != "false",
+        units=args.units,
+        engine=args.engine,
+    )
+
+
 def _spec(args: argparse.Namespace) -> PlanSpec:
+    from fullshard.train.presets import PRESETS as TRAIN_PRESETS
+
+    if args.config or args.hf_config is not None or args.preset in TRAIN_PRESETS:
+        return _train_spec(args)
     fields: dict[str, Any] = {}
     batch, seq = 1, 256
     if args.preset:
@@ -122,24 +231,14 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
             fields[k] = getattr(args, k)
     seq = args.seq or seq
     batch = args.batch or batch
-    mesh = None
-    if args.mesh:
-        mm = re.fullmatch(r"(\d+)x(\d+)", args.mesh)
-        if not mm:
-            raise ValueError(f"--mesh {args.mesh!r}: expected RxS, e.g. 2x4")
-        mesh = (int(mm.group(1)), int(mm.group(2)))
-    model = None
-    if args.hf_config is None:
-        if not fields:
-            raise ValueError("give --preset, --n-layer/--d-model/..., or --hf-config")
-        fields["seq_len"] = max(fields.get("seq_len", seq), seq)
-        model = GPTConfig(tie_embeddings=args.tie_embeddings, **fields)
+    if not fields:
+        raise ValueError("give --preset, --config, --n-layer/--d-model/..., or --hf-config")
+    fields["seq_len"] = max(fields.get("seq_len", seq), seq)
     return PlanSpec(
-        model=model,
-        hf_config=args.hf_config,
+        model=GPTConfig(tie_embeddings=args.tie_embeddings, **fields),
         world_size=args.world_size,
-        mesh=mesh,
-        param_dtype=_DTYPES[args.dtype],
+        mesh=_mesh(args.mesh),
+        param_dtype=_DTYPES[args.dtype or "fp32"],
         offload=args.offload,
         batch=batch,
         seq=seq,
@@ -244,8 +343,13 @@ def recommend(spec: PlanSpec, budget: int) -> list[Option]:
 def _describe(spec: PlanSpec, p: Plan) -> str:
     if spec.model is not None:
         what = f"GPT {spec.model.n_layer}x{spec.model.d_model}"
-    else:
+    elif isinstance(spec.hf_config, str):
         what = f"HF {spec.hf_config}"
+    else:
+        c = spec.hf_config
+        layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", "?")
+        width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", "?")
+        what = f"HF {c.model_type} {layers}x{width}"
     mesh = f" mesh {spec.mesh[0]}x{spec.mesh[1]}" if spec.mesh else ""
     flags = [
         n
@@ -264,9 +368,31 @@ def _describe(spec: PlanSpec, p: Plan) -> str:
     )
 
 
-def render(spec: PlanSpec, p: Plan, timeline: bool = False) -> str:
+def expected_rss(p: Plan, libraries_rss: int) -> tuple[int, int]:
+    """(expected per-rank process RSS on CPU, the runtime baseline it adds to the tensor peak).
+
+    The baseline is ``libraries_rss`` -- measured: this process's RSS once it has loaded what
+    a rank loads (torch, and transformers for a Hugging Face model), before planning -- plus
+    :data:`RANK_RUNTIME_EXTRA`, a stated constant for what a training rank adds.
+    """
+    baseline = libraries_rss + RANK_RUNTIME_EXTRA
+    return p.peak.total + p.peak.host + baseline, baseline
+
+
+def render(spec: PlanSpec, p: Plan, timeline: bool = False, libraries_rss: int = 0) -> str:
     lines = [f"fullshard plan: {_describe(spec, p)}", ""]
-    lines.append(f"per-rank peak: {_fmt(p.peak.total)}  at: {p.peak.label}")
+    rss, baseline = expected_rss(p, libraries_rss)
+    lines.append(
+        f"per-rank peak of live tensors: {_fmt(p.peak.total)}  at: {p.peak.label}  (what "
+        "torch.cuda.max_memory_allocated reports on a GPU)"
+    )
+    lines.append(
+        f"expected process RSS per CPU rank: {_fmt(rss)} = tensors + runtime baseline "
+        f"{_fmt(baseline)} ({_fmt(baseline - RANK_RUNTIME_EXTRA)} measured: Python + libraries "
+        f"in this process; + {_fmt(RANK_RUNTIME_EXTRA)} stated: process group, allocator "
+        "caches, data); what fullshard train's rss_mib and bench report"
+    )
+    lines.append("peak breakdown:")
     for k, v in sorted(p.peak.bytes.items(), key=lambda kv: -kv[1]):
         if v and not k.startswith("host:"):
             lines.append(f"  {k:<24} {_fmt(v):>12}  {100 * v / p.peak.total:5.1f}%")
@@ -288,9 +414,16 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"fullshard plan: {e}", file=sys.stderr)
         return 2
+    libraries_rss = _process_rss()  # before planning allocates anything
     p = plan(spec)
-    result: dict[str, Any] = {"plan": p.to_dict()}
-    text = [render(spec, p, args.timeline)]
+    rss, baseline = expected_rss(p, libraries_rss)
+    result: dict[str, Any] = {
+        "plan": p.to_dict(),
+        "expected_rss_bytes": rss,
+        "runtime_baseline_bytes": baseline,
+    }
+    status = 0
+    text = [render(spec, p, args.timeline, libraries_rss)]
     if budget is not None:
         if p.peak.total <= budget:
             text.append(
@@ -304,7 +437,10 @@ def main(argv: list[str]) -> int:
                 f"\nover the budget {_fmt(budget)} by {_fmt(p.peak.total - budget)}; options, cheapest first:"
             )
             text += [f"  {_fmt(o.peak):>12}  {o.change}  ({o.cost})" for o in opts]
-            text.append(f"recommended: {fit[0].change}" if fit else "nothing tried fits")
+            if fit:
+                text.append(f"recommended: {fit[0].change}")
+            else:
+                status = 1
             result["recommendation"] = fit[0].change if fit else None
             result["options"] = [
                 {"change": o.change, "cost": o.cost, "peak_bytes": o.peak} for o in opts
@@ -346,4 +482,11 @@ def main(argv: list[str]) -> int:
         print()
     else:
         print("\n".join(text))
-    return 0
+    if status:
+        print(
+            f"fullshard plan: error: nothing tried fits the budget {_fmt(budget or 0)} per rank "
+            f"(the smallest option needs {_fmt(min(o.peak for o in opts))}); raise --budget, "
+            "use more ranks or a smaller model",
+            file=sys.stderr,
+        )
+    return status

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,11 +82,13 @@ class EngineModel:
     engine itself selects (``fullshard.transport.select_transport``), which sets
     ``copy_out`` and ``reduce_from_grads`` for the plan's shard-group size."""
 
-    def for_shard_size(self, shard_size: int) -> EngineModel:
-        """This model with the transport the engine would pick for ``shard_size`` ranks."""
+    def for_unit(self, shard_size: int, unit_bytes: int) -> EngineModel:
+        """This model for one unit of ``unit_bytes`` (unsharded) over ``shard_size`` ranks:
+        with the transport the engine itself would pick for it."""
         if self.transport is None:
             return self
-        t = select_transport("auto", self.transport[0], self.transport[1], shard_size)
+        backend, device = self.transport
+        t = select_transport("auto", backend, device, shard_size, unit_bytes)
         return dataclasses.replace(
             self, copy_out=not t.gathers_in_pieces, reduce_from_grads=t.reduces_in_pieces
         )
@@ -122,8 +125,9 @@ class PlanSpec:
 
     model: GPTConfig | None = None
     """A fullshard GPT; or ``hf_config``."""
-    hf_config: str | None = None
-    """Path to a Hugging Face ``config.json`` (or its folder): a causal LM built from it."""
+    hf_config: Any = None
+    """A Hugging Face causal LM: a ``transformers`` ``PretrainedConfig``, or the path of a
+    local ``config.json`` (or its folder). Never downloaded."""
     world_size: int
     mesh: tuple[int, int] | None = None
     """(replicate, shard) for HSDP; ``None`` = shard over all ranks."""
@@ -248,7 +252,9 @@ def build_model(spec: PlanSpec) -> nn.Module:
         return GPT(spec.model)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(str(spec.hf_config))
+    cfg = spec.hf_config
+    if isinstance(cfg, (str, os.PathLike)):
+        cfg = AutoConfig.from_pretrained(str(cfg), local_files_only=True)
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -438,13 +444,14 @@ def plan(spec: PlanSpec) -> Plan:
 
 
 def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> list[Event]:
-    eng = ENGINES[spec.engine].for_shard_size(spec.shard_size)
+    eng = ENGINES[spec.engine]
     pbytes = torch.empty((), dtype=spec.param_dtype).element_size()
     f32 = 4
     host = "host:" if spec.offload else ""
     shard = sum(u.shard_numel for u in units) * f32
     n_states = _OPT_STATES[spec.optimizer]
     gathered = [u.padded_numel * pbytes for u in units]
+    per_unit = [eng.for_unit(spec.shard_size, g) for g in gathered]  # each unit's transport
     n = len(units)
     orders = {"forward": list(range(n)), "backward": [0] + list(range(n - 1, 0, -1))}
     reduced: set[int] = set()  # units whose gradients are already reduced (sharded)
@@ -478,10 +485,11 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
         gath = sum(gathered[i] for i in now)
         new = now - was
         if new:  # all-gathers issued on entering this segment
-            extra = sum(gathered[i] for i in new) if eng.copy_out else 0
-            low_precision = spec.param_dtype != torch.float32 and eng.copy_out
-            if eng.gather_input_copy or low_precision:  # the shard sent
-                extra += sum(units[i].shard_numel * pbytes for i in new)
+            extra = sum(gathered[i] for i in new if per_unit[i].copy_out)
+            low_precision = spec.param_dtype != torch.float32
+            for i in new:  # the shard sent, where it is a separate (packed, cast) copy
+                if eng.gather_input_copy or (low_precision and per_unit[i].copy_out):
+                    extra += units[i].shard_numel * pbytes
             ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending})
             ev.update(
                 {"activations": seg.start - seg.start_grads, "unsharded grads": seg.start_grads}
@@ -497,7 +505,7 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             # Full gradients and the packed reduce-scatter input coexist for the copy-in; the
             # new gradient shard is the output.
             send = u.padded_numel * pbytes
-            if eng.reduce_from_grads and spec.param_dtype != torch.float16:
+            if per_unit[seg.unit].reduce_from_grads and spec.param_dtype != torch.float16:
                 send = 0
             ev = dict(
                 base,

@@ -11,14 +11,18 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fullshard.train import data as data_mod
 from fullshard.train import hf
-from fullshard.train.config import ConfigError, TrainConfig
+from fullshard.train.config import ConfigError, TrainConfig, check_batch
 from fullshard.train.models import count_parameters, vocab_size_of
+
+if TYPE_CHECKING:
+    from fullshard.checkpoint import CheckpointMismatchError
 
 __all__ = ["Checked", "default_nproc", "uses_cuda", "validate"]
 
@@ -68,7 +72,7 @@ def _check_host_memory(cfg: TrainConfig, world: int, n_params: int, vocab: int) 
     """
     hidden, layers = cfg.d_model, cfg.n_layer
     if cfg.uses_hf:
-        hf_cfg = hf.make_config(hf.parse_config(cfg.hf_config))
+        hf_cfg = hf.make_config(hf.parse_config(cfg.hf_config_source))
         hidden = int(getattr(hf_cfg, "hidden_size", 0) or getattr(hf_cfg, "n_embd", 0) or hidden)
         layers = int(
             getattr(hf_cfg, "num_hidden_layers", 0) or getattr(hf_cfg, "n_layer", 0) or layers
@@ -88,51 +92,101 @@ def _check_host_memory(cfg: TrainConfig, world: int, n_params: int, vocab: int) 
         )
 
 
-def _check_batch(cfg: TrainConfig, world: int) -> None:
-    unit = world * cfg.micro_batch
-    if cfg.global_batch % unit:
-        up = (cfg.global_batch // unit + 1) * unit
-        raise ConfigError(
-            f"--global-batch {cfg.global_batch} is not divisible by ranks x --micro-batch = "
-            f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
-            f"or --nproc that divides {cfg.global_batch}"
-        )
-
-
-def _check_run_dir(cfg: TrainConfig, *, fresh_launch: bool) -> None:
+def _check_run_dir(cfg: TrainConfig) -> None:
+    """The run directory and its checkpoints/ can be written (created here, the last check)."""
     run_dir = Path(cfg.resolved_run_dir())
-    try:
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{uuid.uuid4().hex}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"--run-dir {run_dir} is not writable ({e.strerror or e}); pick another --run-dir"
-        ) from None
-    if not fresh_launch:
-        return
-    from fullshard.checkpoint import CheckpointError, latest_checkpoint
+    for where in (run_dir, run_dir / "checkpoints"):
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            probe = where / f".write-test-{uuid.uuid4().hex}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(
+                f"--run-dir {run_dir}: {where} is not writable ({e.strerror or e}); make it "
+                "writable or pick another --run-dir"
+            ) from None
+
+
+def _check_resume(cfg: TrainConfig) -> None:
+    """What the ranks will resume from exists, is intact (headers) and fits the model."""
+    from fullshard.checkpoint import (
+        CheckpointCorruptedError,
+        CheckpointError,
+        CheckpointMismatchError,
+        list_checkpoints,
+    )
     from fullshard.train.guard import check_resume_checkpoint
 
-    if cfg.resume == "never" and latest_checkpoint(run_dir / "checkpoints") is not None:
-        raise ConfigError(
-            f"--resume never, but {run_dir}/checkpoints already holds checkpoints; use "
-            "--resume auto to continue that run, a new --run-dir, or delete the old one"
-        )
-    if cfg.resume not in ("auto", "never"):
-        try:
-            check_resume_checkpoint(cfg, cfg.resume)  # a checkpoint, or a run/root dir holding one
-        except (CheckpointError, OSError) as e:
-            fits = "does not fit the model" in str(e)
+    run_dir = Path(cfg.resolved_run_dir())
+    own = list_checkpoints(run_dir / "checkpoints")[::-1]  # newest first
+    if cfg.resume == "never":
+        if own:
             raise ConfigError(
-                f"--resume {cfg.resume}: {'' if fits else 'not a complete checkpoint: '}{e}"
-                + (
-                    "; pass the model flags it was trained with (--preset, --d-model, ...)"
-                    if fits
-                    else "; pass auto, never, a checkpoint directory or a run directory"
-                )
+                f"--resume never, but {run_dir}/checkpoints already holds checkpoints; use "
+                "--resume auto to continue that run, a new --run-dir, or delete the old one"
+            )
+        return
+    auto = cfg.resume == "auto"
+    candidates = own if auto else [Path(cfg.resume)]
+    for i, path in enumerate(candidates):
+        try:
+            check_resume_checkpoint(cfg, str(path))  # a checkpoint, or a run/root dir holding one
+            return
+        except CheckpointMismatchError as e:
+            raise ConfigError(_mismatch_message(cfg, e, path, auto=auto)) from None
+        except CheckpointCorruptedError as e:
+            if auto and i + 1 < len(candidates):
+                continue  # the ranks fall back to an older one, and say so
+            what = "every checkpoint of this run is damaged; the oldest: " if auto else ""
+            raise ConfigError(
+                f"--resume {cfg.resume}: {what}{e}; start afresh in a new --run-dir (or with "
+                "--resume never after removing the checkpoints)"
+                if auto
+                else f"--resume {cfg.resume}: {e}"
             ) from None
+        except (CheckpointError, OSError) as e:
+            raise ConfigError(
+                f"--resume {cfg.resume}: not a complete checkpoint: {e}; pass auto, never, a "
+                "checkpoint directory or a run directory"
+            ) from None
+
+
+def _mismatch_message(
+    cfg: TrainConfig, e: CheckpointMismatchError, path: Path, *, auto: bool
+) -> str:
+    """One screen: which checkpoint, the first differing names, what the run used, the fix."""
+    differences = e.differences(4)
+    if not auto:
+        return (
+            f"--resume {cfg.resume}: the checkpoint does not fit the model this command builds: "
+            f"{differences}. Pass the model flags it was trained with (--preset, --d-model, "
+            "..., --hf-config)"
+        )
+    run_dir = Path(cfg.resolved_run_dir())
+    was = _model_flags_of(run_dir / "config.toml", cfg)
+    return (
+        f"{run_dir} holds checkpoints of another model (newest: {path.name}; --resume auto "
+        f"would load it): {differences}."
+        + (f" That run used {was}." if was else "")
+        + " Train this model in its own run directory (--name NAME or --run-dir DIR), or "
+        "pass the model flags that run used"
+    )
+
+
+def _model_flags_of(config_path: Path, cfg: TrainConfig) -> str:
+    """How the model in a run's config.toml differs from ``cfg``'s, as flags ('' if unknown)."""
+    from fullshard.train.config import flag, from_toml, replace
+
+    try:
+        other = replace(cfg, **from_toml(str(config_path)))
+    except (ConfigError, TypeError, ValueError):
+        return ""
+    if other.uses_hf != cfg.uses_hf:
+        return f"--hf-config {other.hf_config[:80]}" if other.uses_hf else "the built-in GPT"
+    ours, theirs = cfg.model_identity(), other.model_identity()
+    changed = [k for k in theirs if ours.get(k) != theirs[k]]
+    return ", ".join(f"{flag(k)} {str(getattr(other, k))[:80]}" for k in changed)
 
 
 def _check_device(cfg: TrainConfig, world: int) -> None:
@@ -148,7 +202,7 @@ def _check_device(cfg: TrainConfig, world: int) -> None:
 def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
     if cfg.uses_hf:
         try:
-            vocab, context = hf.vocab_and_context(hf.parse_config(cfg.hf_config))
+            vocab, context = hf.vocab_and_context(hf.parse_config(cfg.hf_config_source))
         except hf.HFError as e:
             raise ConfigError(str(e)) from None
         if context is not None and context < cfg.seq_len:
@@ -158,6 +212,12 @@ def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
             )
         if cfg.hf_weights and not Path(cfg.hf_weights).expanduser().exists():
             raise ConfigError(f"--hf-weights: {cfg.hf_weights!r} does not exist")
+        if cfg.hf_model and not any(Path(cfg.hf_model).expanduser().glob("*.safetensors")):
+            raise ConfigError(
+                f"--hf-model {cfg.hf_model}: no *.safetensors weights there; save the model "
+                "with save_pretrained(DIR) (safe_serialization), or use --hf-config for a "
+                "randomly initialised one"
+            )
     else:
         vocab = cfg.vocab_size
     if data_vocab > vocab:
@@ -174,8 +234,12 @@ def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
 def _check_data(cfg: TrainConfig) -> tuple[int, int]:
     """Token count and the largest token id + 1 (256 for text)."""
     try:
-        tokens = data_mod.load_tokens(
-            cfg.data, data_dtype=cfg.data_dtype, vocab_size=vocab_size_of(cfg)
+        tokens, _ = data_mod.load_data(
+            cfg.data,
+            data_dtype=cfg.data_dtype,
+            vocab_size=vocab_size_of(cfg),
+            tokenizer=cfg.tokenizer_source,
+            cache_dir=Path(cfg.resolved_run_dir()) / "data_cache",
         )
         source = data_mod.describe_source(cfg.data)
         data_mod.check_size(
@@ -198,8 +262,17 @@ def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) ->
     if world_size < 1:
         raise ConfigError(f"--nproc must be at least 1 (0 means automatic), got {world_size}")
     _check_device(cfg, world_size)
-    _check_batch(cfg, world_size)
+    check_batch(cfg, world_size)
+    if cfg.tensorboard:
+        from fullshard.train.metrics import tensorboard_writer_class
+
+        try:
+            tensorboard_writer_class()
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
     n_tokens, data_vocab = _check_data(cfg)
     n_params = _check_model(cfg, world_size, data_vocab)
-    _check_run_dir(cfg, fresh_launch=fresh_launch)
+    if fresh_launch:
+        _check_resume(cfg)
+    _check_run_dir(cfg)  # last: it creates the run directory
     return Checked(world_size=world_size, n_tokens=n_tokens, n_params=n_params)

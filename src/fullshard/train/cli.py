@@ -12,6 +12,7 @@ import argparse
 import difflib
 import os
 import sys
+import textwrap
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Literal
 from fullshard.train.config import (
     ConfigError,
     TrainConfig,
+    check_batch,
     field_help,
     field_types,
     flag,
@@ -46,6 +48,8 @@ _METAVARS = {
     "data": "PATH",
     "hf_config": "PATH_OR_JSON",
     "hf_weights": "PATH",
+    "hf_model": "DIR",
+    "tokenizer": "DIR",
     "resume": "{auto,never,PATH}",
     "sample_prompt": "TEXT",
 }
@@ -60,6 +64,7 @@ examples:
   fullshard train --hf-config '{"model_type": "llama", "hidden_size": 64, "intermediate_size":
       128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
       "vocab_size": 256}' --max-steps 50
+  fullshard train --hf-model ./my-llama --data chat.jsonl --lr 2e-5 --tensorboard
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       --rdzv-id myrun -m fullshard.train.worker --preset gpt2-124m --run-dir /shared/runs/g
 """
@@ -71,11 +76,37 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every :class:`TrainConfig` field as a flag; defaults are those of the ``small`` preset."""
+def _preset_in(argv: list[str]) -> str:
+    """The preset ``argv`` asks for (``--preset X``, ``--preset=X``, else ``--config``'s), so
+    ``--help`` can show that preset's defaults; ``small`` when none (or an unknown one)."""
+    preset, config = "", ""
+    for i, arg in enumerate(argv):
+        for name in ("--preset", "--config"):
+            if arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+            else:
+                continue
+            preset, config = (value, config) if name == "--preset" else (preset, value)
+    if not preset and config:
+        try:
+            preset = str(from_toml(config).get("preset", ""))
+        except ConfigError:
+            preset = ""
+    return preset if preset in PRESETS else "small"
+
+
+def build_parser(preset: str = "small") -> argparse.ArgumentParser:
+    """Every :class:`TrainConfig` field as a flag; the defaults shown are ``preset``'s."""
     parser = argparse.ArgumentParser(
         prog="fullshard train",
-        description="Train a model fully sharded (ZeRO-3) on local ranks, or as a torchrun rank.",
+        description=textwrap.fill(
+            "Train a model fully sharded (ZeRO-3) on local ranks, or as a torchrun rank. "
+            f"Defaults shown are those of --preset {preset}; each preset has its own (run "
+            "'fullshard train --preset NAME --help' to see them).",
+            width=92,
+        ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # so we know which flags were given
@@ -84,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)"
     )
-    helps, types, defaults = field_help(), field_types(), PRESETS["small"]()
+    helps, types, defaults = field_help(), field_types(), PRESETS[preset]()
     group: Any = parser
     for f in fields(TrainConfig):
         if f.name in _GROUPS:
@@ -104,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kwargs["type"] = hint
             kwargs["metavar"] = _METAVARS.get(f.name) or {int: "N", float: "X"}.get(hint, "STR")
+        if f.name == "preset":
+            default = "small"  # the default preset, whichever one's defaults are shown
         if default != "" and f.name != "hf_config":
             text += (
                 f" (default: {default!r})" if isinstance(default, str) else f" (default: {default})"
@@ -124,7 +157,7 @@ def _unknown_flags_error(parser: argparse.ArgumentParser, unknown: list[str]) ->
 
 def parse_config(argv: list[str]) -> TrainConfig:
     """Defaults < preset < --config FILE.toml < flags. Raises ConfigError (argparse: SystemExit)."""
-    parser = build_parser()
+    parser = build_parser(_preset_in(argv))
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise _unknown_flags_error(parser, unknown)
@@ -139,12 +172,12 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 
 def _run_as_worker(cfg: TrainConfig) -> int:
-    from fullshard.train import checks
+    from fullshard.train import checks, failures
     from fullshard.train.loop import init_distributed, train
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    fresh = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    fresh = failures.attempt_number() == 0
     try:
         checks.validate(cfg, world_size=world, fresh_launch=fresh and rank == 0)
     except ConfigError as e:
@@ -152,13 +185,17 @@ def _run_as_worker(cfg: TrainConfig) -> int:
             print(f"fullshard train: error: {e}", file=sys.stderr)
         return 2
     env = init_distributed(cfg)
-    try:
-        return train(cfg, env)
-    finally:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    try:
+        code = train(cfg, env)
+    except Exception as e:  # see [Note: deterministic failures] in failures.py
+        launched = os.environ.get(failures.LAUNCHER_ENV) == "1"
+        run_dir = Path(cfg.resolved_run_dir())
+        return failures.rank_failed(e, run_dir=run_dir, rank=env.rank, launched=launched)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if in_torchrun():
         return _run_as_worker(cfg)
+    if cfg.nproc:  # before the checks that import torch: a second saved on a typo
+        try:
+            check_batch(cfg, cfg.nproc)
+        except ConfigError as e:
+            print(f"fullshard train: error: {e}", file=sys.stderr)
+            return 2
 
     from fullshard.train import checks
     from fullshard.train.launch import launch

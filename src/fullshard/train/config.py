@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import inspect
 import itertools
 import json
@@ -21,7 +22,27 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "TrainConfig", "field_help", "flag", "from_toml", "to_toml"]
+__all__ = [
+    "GPT_MODEL_FIELDS",
+    "ConfigError",
+    "TrainConfig",
+    "check_batch",
+    "field_help",
+    "flag",
+    "from_toml",
+    "to_toml",
+]
+
+# The fields that shape the built-in GPT's tensors (see TrainConfig.model_identity).
+GPT_MODEL_FIELDS = (
+    "vocab_size",
+    "seq_len",
+    "n_layer",
+    "d_model",
+    "n_head",
+    "mlp_ratio",
+    "tie_embeddings",
+)
 
 
 class ConfigError(ValueError):
@@ -41,7 +62,8 @@ class TrainConfig:
     preset: str = "small"
     """Preset to start from: tiny, small, gpt2-124m, llama-1b, llama-8b (flags override it)."""
     name: str = ""
-    """Run name; the default run directory is runs/<name>. Empty: the preset's name."""
+    """Run name; the default run directory is runs/<name>. Empty: the preset's name, plus a
+    short hash of the model settings when they are not the preset's (e.g. tiny-1a2b3c4d)."""
     run_dir: str = ""
     """Run directory (config.toml, metrics.jsonl, loss.png, checkpoints/). Default: runs/<name>."""
     seed: int = 0
@@ -82,6 +104,10 @@ class TrainConfig:
     holding one, or inline JSON with a model_type (e.g. '{"model_type": "llama", ...}')."""
     hf_weights: str = ""
     """Local pretrained weights for --hf-config: a .safetensors file or a directory of them."""
+    hf_model: str = ""
+    """Fine-tune a local Hugging Face model directory (config.json, *.safetensors and, if
+    there, its tokenizer), as written by save_pretrained; nothing is downloaded. Sets the
+    model, its weights and --tokenizer at once."""
     init: Literal["auto", "cpu", "meta"] = "auto"
     """Where parameters are initialised: cpu (each rank builds the full model, then shards it:
     identical at every world size), meta (shard first, initialise shards: for models too big
@@ -90,7 +116,12 @@ class TrainConfig:
     # ---- data
     data: str = ""
     """Training data: a text file, a folder of text files, or a pre-tokenized .bin of uint16/
-    uint32 tokens. Empty: the Python standard library's own source (no download)."""
+    uint32 tokens, .jsonl or .parquet records (with a tokenizer). Empty: the Python standard
+    library's own source (no download)."""
+    tokenizer: str = ""
+    """A local Hugging Face tokenizer directory: --data text (.txt, .jsonl with a text field or
+    chat messages, .parquet) is tokenized with it once, cached in the run directory. Default:
+    --hf-model's own tokenizer, else bytes as tokens."""
     data_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Token dtype of a .bin file; auto is uint16 when the vocabulary fits, else uint32."""
     eval_fraction: float = 0.02
@@ -145,6 +176,9 @@ class TrainConfig:
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint of this run (if any); never: start
     fresh (refused when the run directory already has checkpoints); or a checkpoint PATH."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into the run directory (needs the tensorboard
+    package: pip install 'fullshard[tensorboard]'); view with tensorboard --logdir runs."""
     log_every: int = 10
     """Print a log line every this many steps when output is not a terminal."""
     progress: Literal["auto", "bar", "plain"] = "auto"
@@ -174,13 +208,17 @@ class TrainConfig:
         for name in ("min_lr_ratio", "beta1", "beta2"):
             _require(self, name, 0.0 <= getattr(self, name) <= 1.0, "between 0 and 1")
         _require(self, "eval_fraction", 0.0 <= self.eval_fraction < 1.0, "in [0, 1)")
-        if self.hf_config == "" and self.d_model % self.n_head != 0:
+        if not self.uses_hf and self.d_model % self.n_head != 0:
             raise ConfigError(
                 f"--d-model ({self.d_model}) must be divisible by --n-head ({self.n_head}); "
                 f"pick e.g. --n-head {math.gcd(self.d_model, self.n_head)}"
             )
         if self.hf_weights and not self.hf_config:
             raise ConfigError("--hf-weights needs --hf-config (the model the weights belong to)")
+        if self.hf_model and self.hf_config:
+            raise ConfigError(
+                "--hf-model already names the model (its config.json); drop --hf-config"
+            )
         if self.resume == "":
             raise ConfigError("--resume must be auto, never or a checkpoint path, got ''")
         for name, value in _choices_of_literals().items():
@@ -191,12 +229,60 @@ class TrainConfig:
 
     @property
     def uses_hf(self) -> bool:
-        """Whether the model is a Hugging Face causal LM (``--hf-config``)."""
-        return bool(self.hf_config)
+        """Whether the model is a Hugging Face causal LM (``--hf-config`` or ``--hf-model``)."""
+        return bool(self.hf_config or self.hf_model)
+
+    @property
+    def hf_config_source(self) -> str:
+        """Where the Hugging Face config comes from: ``--hf-config``, else ``--hf-model``."""
+        return self.hf_config or self.hf_model
+
+    @property
+    def hf_weights_source(self) -> str:
+        """Local pretrained weights: ``--hf-weights``, else ``--hf-model``'s (or none)."""
+        return self.hf_weights or self.hf_model
+
+    @property
+    def tokenizer_source(self) -> str:
+        """The tokenizer directory: ``--tokenizer``, else ``--hf-model`` when it has one."""
+        if self.tokenizer or not self.hf_model:
+            return self.tokenizer
+        from pathlib import Path
+
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        return self.hf_model if any((Path(self.hf_model) / n).exists() for n in names) else ""
+
+    def model_identity(self) -> dict[str, Any]:
+        """The settings that decide the model's tensors (names and shapes): the canonical
+        ``--hf-config`` for a Hugging Face model, else the GPT's shape flags."""
+        if not self.uses_hf:
+            return {name: getattr(self, name) for name in GPT_MODEL_FIELDS}
+        if self.hf_model and not self.hf_config:
+            from pathlib import Path
+
+            return {"hf_model": str(Path(self.hf_model).resolve())}
+        text = self.hf_config.strip()
+        if text.startswith("{"):
+            try:
+                text = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+            except json.JSONDecodeError:
+                pass  # refused later, with a message, by the checks
+        return {"hf_config": text}
 
     def resolved_name(self) -> str:
-        """The run name: ``--name``, else the preset's."""
-        return self.name or self.preset
+        """The run name: ``--name``; else the preset's name when the model is the preset's,
+        or the preset's name and a short hash of :meth:`model_identity` when it is not
+        (``tiny-1a2b3c4d``), so runs of different models never share a run directory."""
+        if self.name:
+            return self.name
+        from fullshard.train.presets import PRESETS  # presets import this module
+
+        model = self.model_identity()
+        make = PRESETS.get(self.preset)
+        if make is not None and make().model_identity() == model:
+            return self.preset
+        digest = hashlib.sha1(json.dumps(model, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.preset}-{digest}"
 
     def resolved_run_dir(self) -> str:
         """The run directory: ``--run-dir``, else ``runs/<name>``."""
@@ -205,6 +291,19 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Field name -> value, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_batch(cfg: TrainConfig, world: int) -> None:
+    """The global batch splits into ``world`` ranks x ``--micro-batch`` (needs no torch, so
+    ``fullshard train`` checks it before importing anything heavy when --nproc is given)."""
+    unit = world * cfg.micro_batch
+    if cfg.global_batch % unit:
+        up = (cfg.global_batch // unit + 1) * unit
+        raise ConfigError(
+            f"--global-batch {cfg.global_batch} is not divisible by ranks x --micro-batch = "
+            f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
+            f"or --nproc that divides {cfg.global_batch}"
+        )
 
 
 def _require(cfg: TrainConfig, name: str, ok: bool, what: str) -> None:
@@ -303,5 +402,22 @@ def from_toml(path: str) -> dict[str, Any]:
             raise ConfigError(f"--config {path}: {key!r} must be a value, not a table")
         if types[name] is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        problem = _toml_type_problem(types[name], value)
+        if problem:
+            raise ConfigError(f"--config {path}: {key} must be {problem}, got {value!r}")
         out[name] = value
     return out
+
+
+_TOML_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a quoted string"}
+
+
+def _toml_type_problem(hint: Any, value: Any) -> str:
+    """What ``value`` should have been for a field annotated ``hint``; '' when it fits."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return "" if value in choices else f"one of {', '.join(map(json.dumps, choices))}"
+    kind = type(value)
+    if kind is hint or (hint is float and kind is int):
+        return ""
+    return _TOML_KINDS.get(hint, str(hint))

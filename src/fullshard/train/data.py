@@ -5,7 +5,10 @@ Sources (``--data``):
 - empty: the embedded corpus, the Python standard library's own ``.py`` files (found through
   ``sysconfig``; no download), bytes as tokens;
 - a text file, or a folder of text files (binary files skipped), bytes as tokens;
-- a ``.bin`` of pre-tokenized uint16/uint32 tokens (nanoGPT's format), memory-mapped.
+- a ``.bin`` of pre-tokenized uint16/uint32 tokens (nanoGPT's format), memory-mapped;
+- with ``--tokenizer`` (or ``--hf-model``): ``.txt``, ``.jsonl`` (text or chat messages) and
+  ``.parquet`` records tokenized once and cached (:mod:`fullshard.train.tokenized`), with a
+  target mask where only assistant turns are learned.
 
 The tail ``--eval-fraction`` of the token stream is held out for the eval loss.
 
@@ -28,13 +31,18 @@ import numpy as np
 import torch
 
 __all__ = [
+    "IGNORE_INDEX",
     "DataError",
     "Sampler",
     "TokenData",
     "embedded_corpus_files",
+    "gather_batch",
+    "load_data",
     "load_tokens",
     "rank_slice",
 ]
+
+IGNORE_INDEX = -100  # the label of a target that is not learned (cross_entropy's default)
 
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
@@ -111,6 +119,27 @@ def load_tokens(data: str, *, data_dtype: str = "auto", vocab_size: int = 256) -
     return _read_text_bytes([path])
 
 
+def load_data(
+    data: str,
+    *,
+    data_dtype: str = "auto",
+    vocab_size: int = 256,
+    tokenizer: str = "",
+    cache_dir: Path | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(1-D tokens, 1-D uint8 target mask or ``None`` when every target is learned).
+
+    With ``tokenizer`` (a local tokenizer directory) the text of ``data`` is tokenized, or read
+    from ``cache_dir``; otherwise :func:`load_tokens`.
+    """
+    if tokenizer and Path(data).suffix != ".bin":  # a .bin is tokenized already
+        from fullshard.train.tokenized import cached_stream
+
+        tokens, mask, _ = cached_stream(data, tokenizer, cache_dir)
+        return tokens, mask
+    return load_tokens(data, data_dtype=data_dtype, vocab_size=vocab_size), None
+
+
 @dataclass
 class TokenData:
     """A token stream split into a training part and a held-out tail."""
@@ -118,13 +147,28 @@ class TokenData:
     train: np.ndarray  # 1D tokens
     eval: np.ndarray  # 1D tokens, the held-out tail (may be empty)
     byte_level: bool  # tokens are raw bytes (decode a sample as UTF-8)
+    train_mask: np.ndarray | None = None  # 1D uint8 like train: 1 where a target is learned
+    eval_mask: np.ndarray | None = None
 
     @classmethod
-    def split(cls, tokens: np.ndarray, eval_fraction: float, *, byte_level: bool) -> TokenData:
-        """Hold out the last ``eval_fraction`` of ``tokens``."""
+    def split(
+        cls,
+        tokens: np.ndarray,
+        eval_fraction: float,
+        *,
+        byte_level: bool,
+        mask: np.ndarray | None = None,
+    ) -> TokenData:
+        """Hold out the last ``eval_fraction`` of ``tokens`` (and of ``mask``)."""
         n_eval = int(len(tokens) * eval_fraction)
         cut = len(tokens) - n_eval
-        return cls(train=tokens[:cut], eval=tokens[cut:], byte_level=byte_level)
+        return cls(
+            train=tokens[:cut],
+            eval=tokens[cut:],
+            byte_level=byte_level,
+            train_mask=None if mask is None else mask[:cut],
+            eval_mask=None if mask is None else mask[cut:],
+        )
 
 
 def check_size(tokens: int, *, seq_len: int, eval_fraction: float, source: str) -> None:
@@ -210,3 +254,23 @@ def gather_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torc
     """``[len(starts), seq_len + 1]`` int64 windows of ``tokens`` starting at ``starts``."""
     rows = [np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts.tolist()]
     return torch.from_numpy(np.stack(rows))
+
+
+def gather_batch(
+    tokens: np.ndarray, mask: np.ndarray | None, starts: np.ndarray, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)``, each ``[len(starts), seq_len]`` int64: the windows at ``starts``
+    and the same shifted by one, with :data:`IGNORE_INDEX` at targets the mask excludes."""
+    windows = gather_windows(tokens, starts, seq_len)
+    inputs, targets = windows[:, :-1], windows[:, 1:].clone()
+    if mask is not None:
+        learned = gather_windows(mask, starts, seq_len)[:, 1:].bool()
+        targets[~learned] = IGNORE_INDEX
+    return inputs, targets
+
+
+def count_targets(mask: np.ndarray | None, starts: np.ndarray, seq_len: int) -> int:
+    """Learned targets in the windows at ``starts`` (every one of them without a mask)."""
+    if mask is None:
+        return len(starts) * seq_len
+    return int(sum(int(np.count_nonzero(mask[s + 1 : s + seq_len + 1])) for s in starts.tolist()))

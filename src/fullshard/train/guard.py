@@ -5,13 +5,15 @@ They are test hooks, not flags: nobody should kill their own ranks on purpose.
 
 [Note: fault injection] ``FULLSHARD_FAULT`` holds faults separated by ``;``, each
 ``KIND@key=value,...``; keys are ``step`` (required), ``rank`` (default 0), ``attempt`` (the
-elastic attempt it fires in, ``TORCHELASTIC_RESTART_COUNT``; default 0, ``*`` for every attempt)
-and, for ``nan_grad``, ``steps`` (``3|6|7``) instead of ``step``. Kinds:
+restart of the group it fires in, ``failures.attempt_number()``; default 0, ``*`` for every
+attempt) and, for ``nan_grad``, ``steps`` (``3|6|7``) instead of ``step``. Kinds:
 
 - ``kill``: SIGKILL this rank in the middle of step ``step`` (after backward, before the
   optimizer step), as a crashed host or the OOM killer would;
 - ``kill_in_save``: SIGKILL this rank while the checkpoint of step ``step`` is being written
   (after its shard file, before the manifest is published);
+- ``enospc_in_save``: make this rank's write of the checkpoint of step ``step`` fail with
+  ``OSError(ENOSPC)``, as a full disk would;
 - ``stop``: SIGSTOP this rank at the start of step ``step`` (a hung rank: it never returns);
 - ``nan_grad``: overwrite one element of this rank's first non-empty gradient shard with NaN
   after backward (after reduction), at each of ``steps``.
@@ -27,6 +29,7 @@ from ``/proc/self``): what the soak test measures leaks with.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -46,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.train.failures import LAUNCHER_ENV
+
 __all__ = [
     "FAULT_ENV",
     "LAUNCHER_ENV",
@@ -60,8 +65,7 @@ __all__ = [
 
 FAULT_ENV = "FULLSHARD_FAULT"
 RESOURCE_ENV = "FULLSHARD_RESOURCE_EVERY"
-LAUNCHER_ENV = "FULLSHARD_LOCAL_LAUNCH"  # set by `fullshard train` for the ranks it launches
-_KINDS = ("kill", "kill_in_save", "stop", "nan_grad")
+_KINDS = ("kill", "kill_in_save", "enospc_in_save", "stop", "nan_grad")
 
 
 @dataclass(frozen=True)
@@ -149,20 +153,26 @@ class FaultInjector:
 
     @contextlib.contextmanager
     def saving(self, step: int) -> Iterator[None]:
-        """Around the save of step ``step``: ``kill_in_save`` dies after writing its shard file."""
-        if not (self.faults and self._due("kill_in_save", step)):
+        """Around the save of step ``step``: ``kill_in_save`` dies after writing its shard
+        file, ``enospc_in_save`` fails to write it."""
+        kill = self._due("kill_in_save", step) if self.faults else False
+        if not (kill or (self.faults and self._due("enospc_in_save", step))):
             yield
             return
         from fullshard.checkpoint import saving as saving_mod
 
         original = saving_mod._write_rank
 
-        def write_then_die(*args: object, **kwargs: object) -> None:
-            original(*args, **kwargs)  # type: ignore[arg-type]
+        def write_then_fail(tmp: Path, *args: object, **kwargs: object) -> None:
+            if not kill:
+                self._record("enospc_in_save", step)
+                name = str(tmp / f"rank_{self.rank:05d}.safetensors")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+            original(tmp, *args, **kwargs)  # type: ignore[arg-type]
             self._record("kill_in_save", step)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        saving_mod._write_rank = write_then_die  # type: ignore[assignment]
+        saving_mod._write_rank = write_then_fail  # type: ignore[assignment]
         try:
             yield
         finally:

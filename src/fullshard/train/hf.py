@@ -97,6 +97,13 @@ def build(raw: dict[str, Any]) -> nn.Module:
     return model
 
 
+def from_pretrained(path: str | Path) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` on a local directory only (eval mode)."""
+    transformers = _transformers()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    return model.eval()
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder layers: the longest ``ModuleList`` of one class (model.layers, h)."""
     best: list[nn.Module] = []

@@ -1,10 +1,10 @@
 """Launch local ranks through torchrun's elastic agent (no hand-made process management).
 
-``fullshard train`` on one machine is ``torchrun --standalone --nproc-per-node N
---max-restarts R -m fullshard.train.worker --config RUN_DIR/config.toml``, done in-process
-through :class:`torch.distributed.launcher.api.LaunchConfig`: a c10d rendezvous on a free
-localhost port, the agent restarting the whole group (which resumes from the newest
-checkpoint) when a rank fails.
+``fullshard train`` on one machine is torchrun --standalone --nproc-per-node N
+-m fullshard.train.worker --config RUN_DIR/config.toml, done in-process through
+torch.distributed.launcher.api.LaunchConfig: a c10d rendezvous on a free localhost port.
+When a rank fails the group is relaunched (up to --max-restarts times; it resumes from the
+newest checkpoint), unless the failure is deterministic (see failures.py).
 
 [Note: Ctrl-C under the agent] The agent catches SIGINT/SIGTERM, forwards the same signal to
 every worker and gives them ``--stop-timeout`` seconds before SIGKILL. Workers finish the step,
@@ -14,12 +14,17 @@ We exit 0 when the run recorded a ``stop`` after the signal, else 128 + the sign
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from fullshard.train.guard import LAUNCHER_ENV
+from fullshard.train import failures
+from fullshard.train.failures import LAUNCHER_ENV
 from fullshard.train.metrics import read_metrics
 
 __all__ = ["launch", "package_root"]
@@ -60,14 +65,50 @@ def launch(
     stop_timeout: int,
     on_cuda: bool,
 ) -> int:
-    """Run ``nproc`` workers on this machine under the elastic agent; return an exit code."""
+    """Run ``nproc`` workers on this machine under the elastic agent; return an exit code.
+
+    The group is restarted here, not by the agent, so that a deterministic failure (see
+    [Note: deterministic failures] in failures.py) ends the job instead of repeating.
+    """
+    _worker_env(nproc, on_cuda)
+    for attempt in range(max_restarts + 1):
+        os.environ[failures.ATTEMPT_ENV] = str(attempt)
+        outcome = _run_group(config_path, run_dir=run_dir, nproc=nproc, stop_timeout=stop_timeout)
+        if isinstance(outcome, int):
+            return outcome
+        fatal, message = outcome
+        logs = failures.log_dir(run_dir)
+        if fatal:
+            print(f"fullshard train: tracebacks in {logs}/", file=sys.stderr)
+            print(f"fullshard train: error: {message}", file=sys.stderr, flush=True)
+            return 1
+        if attempt < max_restarts:
+            print(
+                f"fullshard train: {message}; restarting the group ({attempt + 1} of "
+                f"--max-restarts {max_restarts}), resuming from the newest checkpoint "
+                f"(tracebacks in {logs}/)",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        f"fullshard train: error: {message}; gave up after {max_restarts} restart(s) "
+        f"(--max-restarts). Tracebacks in {logs}/",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
+
+
+def _run_group(
+    config_path: Path, *, run_dir: Path, nproc: int, stop_timeout: int
+) -> int | tuple[bool, str]:
+    """One attempt: an exit code when the job is over, else ``(fatal, one-line cause)``."""
     import time
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _worker_env(nproc, on_cuda)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -75,7 +116,7 @@ def launch(
         run_id=f"fullshard-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # the agent hosts the store on a free port
-        max_restarts=max_restarts,
+        max_restarts=0,  # restarts are launch()'s decision
         monitor_interval=0.2,
         start_method="spawn",
         shutdown_timeout=stop_timeout,
@@ -83,19 +124,61 @@ def launch(
     args = ["-u", "-m", "fullshard.train.worker", "--config", str(config_path)]
     started = time.time()
     try:
-        elastic_launch(config, sys.executable)(*args)
+        with _quiet_agent():
+            elastic_launch(config, sys.executable)(*args)
     except SignalException as e:
         if _stopped_cleanly(run_dir, started):
             return 0
         print(f"fullshard train: stopped by {e.sigval.name} before a checkpoint was saved")
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        print(
-            f"fullshard train: training failed (after up to {max_restarts} restart(s)):\n"
-            f"{e.format_msg()}",
-            file=sys.stderr,
-        )
-        return 1
+        return _cause(e, run_dir, since=started - 1)
     if _stop_reason(run_dir, started) == "nonfinite":  # the ranks printed why
         return 1
     return 0
+
+
+def _cause(e: Any, run_dir: Path, since: float) -> tuple[bool, str]:
+    """Why the group failed: a deterministic failure on any rank wins; else the first rank's
+    own error (not one caused by a lost peer), else a rank that was killed (the others then
+    fail on its closed connections), else whatever was recorded."""
+    records = failures.read_failures(run_dir, since)
+    primary = [r for r in records if not r.get("secondary")]
+    for rec in primary:
+        if rec.get("fatal"):
+            return True, str(rec["message"])
+    codes: dict[int, int] = {rank: f.exitcode for rank, f in e.failures.items()}
+    if any(code in (2, failures.FATAL_EXIT) for code in codes.values()):  # 2: a refused config
+        return True, "a rank refused to continue (its message is above)"
+    for rec in primary:
+        return False, f"rank {rec['rank']} failed: {rec['message']}"
+    killed = sorted(rank for rank, code in codes.items() if code < 0)
+    if killed:
+        return False, failures.describe_exit(killed[0], codes[killed[0]])
+    for rec in records:
+        return False, f"rank {rec['rank']} failed: {rec['message']}"
+    rank, first = e.get_first_failure()
+    return False, failures.describe_exit(rank, first.exitcode)
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """The agent logs every worker failure at ERROR level with a traceback block; our own
+    summary replaces that (the ranks' tracebacks are in RUN_DIR/logs)."""
+    loggers = [
+        logging.getLogger(name)
+        for name in (
+            "torch.distributed.elastic.multiprocessing.api",
+            "torch.distributed.elastic.agent.server.api",
+            "torch.distributed.elastic.multiprocessing.errors",
+            "torch.distributed.launcher.api",
+        )
+    ]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)

@@ -5,6 +5,14 @@
 reads the same stop decision from it (a Ctrl-C/SIGTERM that reached any rank, or the time
 budget on rank 0), so all ranks stop after the same step, save the same checkpoint together
 and exit 0. A signal never interrupts a step or a collective: the handler only sets a flag.
+
+[Note: falling back from a damaged checkpoint] Each rank reads only its own rows of a
+checkpoint, so one rank may find a bad block that the others never read. After trying a
+checkpoint the ranks exchange how it went (one all_gather_object): all intact, and they go
+on; damaged somewhere (a checksum, a truncated or missing file), and all of them try the next
+older checkpoint of the run (a load replaces every tensor, so a half-done one leaves nothing
+behind), saying so; any other error (a checkpoint of another model) is final everywhere. A
+checkpoint named by ``--resume PATH`` is never replaced by another one.
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_
 from fullshard.train import data as data_mod
 from fullshard.train.config import TrainConfig, to_toml
+from fullshard.train.failures import SecondaryFailure, attempt_number
 from fullshard.train.guard import FaultInjector, ResourceProbe, nonfinite_stop
 from fullshard.train.metrics import MetricsLog, Progress, plot
 from fullshard.train.models import (
     META_INIT_THRESHOLD,
     build_model,
+    describe,
     generate,
     logits_of,
     materialize,
@@ -54,7 +64,7 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
-    restart_count: int  # TORCHELASTIC_RESTART_COUNT: > 0 after the agent restarted the group
+    restart_count: int  # failures.attempt_number(): > 0 after the group was restarted
     device: torch.device
 
     @property
@@ -91,7 +101,7 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     env = os.environ
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = attempt_number()
     store = _rendezvous_store(rank, world, restarts)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.collective_timeout)}
     if store is not None:
@@ -134,15 +144,58 @@ def _peak_mem_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _resume_path(cfg: TrainConfig, root: Path, restart_count: int) -> Path | None:
-    latest = ckpt.latest_checkpoint(root)
+def resume_candidates(cfg: TrainConfig, root: Path, restart_count: int) -> list[Path]:
+    """The checkpoints to resume from, in order: this run's own, newest first (an older one
+    is the fallback when a newer one is damaged), or the one ``--resume PATH`` names."""
+    own = ckpt.list_checkpoints(root)[::-1]
     if cfg.resume == "auto":
-        return latest
+        return own
     if cfg.resume == "never":  # after an elastic restart, continue what this launch saved
-        return latest if restart_count > 0 else None
-    if restart_count > 0 and latest is not None:
-        return latest
-    return Path(cfg.resume)
+        return own if restart_count > 0 else []
+    if restart_count > 0 and own:
+        return own
+    return [Path(cfg.resume)]
+
+
+def _load_resume(
+    candidates: list[Path],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+) -> tuple[Path | None, dict[str, Any]]:
+    """Load the first of ``candidates`` that every rank reads intact (see [Note: falling back
+    from a damaged checkpoint]); ``(None, {})`` when there are none."""
+    say = print if env.is_main else (lambda *a, **k: None)
+    for i, path in enumerate(candidates):
+        extra: dict[str, Any] = {}
+        mine: tuple[str, str] = ("ok", "")
+        error: Exception | None = None
+        try:
+            extra = ckpt.load(path, model=model, optimizer=optimizer)
+        except ckpt.CheckpointCorruptedError as e:
+            mine, error = ("damaged", str(e)), e
+        except Exception as e:  # a mismatch, an OS error: the same after any fallback
+            mine, error = ("failed", str(e)), e
+        statuses: list[Any] = [None] * env.world_size
+        dist.all_gather_object(statuses, mine)
+        if all(kind == "ok" for kind, _ in statuses):
+            return path, extra
+        if error is not None and mine[0] == "failed":
+            raise error
+        if any(kind == "failed" for kind, _ in statuses):
+            raise SecondaryFailure(f"loading {path} failed on another rank")
+        damage = next(message for kind, message in statuses if kind == "damaged")
+        if i + 1 == len(candidates):
+            if not env.is_main:
+                raise SecondaryFailure(f"{path} is damaged: {damage}")
+            newer = "; so is every newer checkpoint of this run" if i else ""
+            raise ckpt.CheckpointCorruptedError(f"{damage}{newer}")
+        say(
+            f"fullshard train: checkpoint {path} is damaged ({damage}); falling back to the "
+            f"newest intact one, trying {candidates[i + 1]}",
+            flush=True,
+        )
+    return None, {}
 
 
 def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env: DistEnv) -> float:
@@ -152,19 +205,21 @@ def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env
     mine = starts.reshape(cfg.eval_batches, cfg.global_batch)[
         :, data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
     ].reshape(-1)
-    total = torch.zeros(2, dtype=torch.float64, device=env.device)  # [sum of losses, count]
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)  # [sum of losses, targets]
     model.eval()
     with torch.no_grad():
         for i in range(0, len(mine), cfg.micro_batch):
-            batch = data_mod.gather_windows(data.eval, mine[i : i + cfg.micro_batch], cfg.seq_len)
-            batch = batch.to(env.device)
-            logits = logits_of(model, batch[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            total[0] += loss.double() * len(batch)
-            total[1] += len(batch)
+            inputs, targets = data_mod.gather_batch(
+                data.eval, data.eval_mask, mine[i : i + cfg.micro_batch], cfg.seq_len
+            )
+            logits = logits_of(model, inputs.to(env.device))
+            targets = targets.to(env.device).flatten()
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum")
+            total[0] += loss.double()
+            total[1] += int((targets != data_mod.IGNORE_INDEX).sum())
     model.train()
     dist.all_reduce(total)
-    return float(total[0] / total[1])
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def _grad_norm_and_clip(model: nn.Module, max_norm: float, unscale: float) -> float:
@@ -188,10 +243,23 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     probe = ResourceProbe(rank=env.rank, run_dir=run_dir)
 
     # ---- data
-    tokens = data_mod.load_tokens(cfg.data, data_dtype=cfg.data_dtype, vocab_size=cfg.vocab_size)
-    data = data_mod.TokenData.split(
-        tokens, cfg.eval_fraction, byte_level=tokens.dtype.itemsize == 1
+    tokens, mask = data_mod.load_data(
+        cfg.data,
+        data_dtype=cfg.data_dtype,
+        vocab_size=cfg.vocab_size,
+        tokenizer=cfg.tokenizer_source,
+        cache_dir=run_dir / "data_cache",
     )
+    data = data_mod.TokenData.split(
+        tokens, cfg.eval_fraction, byte_level=tokens.dtype.itemsize == 1, mask=mask
+    )
+    tokenizer = None
+    if cfg.tokenizer_source:
+        from fullshard.train.tokenized import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer_source)
+        if env.is_main:  # beside the checkpoints, for fullshard ckpt export --hf
+            tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     sampler = data_mod.Sampler(
         len(data.train), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed
     )
@@ -218,6 +286,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     if meta:
         torch.manual_seed(cfg.seed)
         materialize(model, env.device)
+        if cfg.hf_weights_source:  # built on meta, so not loaded yet: each rank reads its rows
+            ckpt.load_full_state_dict_from_file(model, cfg.hf_weights_source)
+    model_description = describe(model)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
     )
@@ -225,9 +296,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
 
     # ---- resume
     start_step, tokens_seen, skipped_total = 0, 0, 0
-    resume_from = _resume_path(cfg, ckpt_root, env.restart_count)
+    candidates = resume_candidates(cfg, ckpt_root, env.restart_count)
+    resume_from, extra = _load_resume(candidates, model, optimizer, env)
     if resume_from is not None:
-        extra = ckpt.load(resume_from, model=model, optimizer=optimizer)
         start_step = int(extra["step"])
         tokens_seen = int(extra.get("tokens", 0))
         skipped_total = int(extra.get("skipped_steps", 0))
@@ -245,7 +316,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     if start_step >= cfg.max_steps:
         say(f"already trained to step {start_step}; raise --max-steps to train further")
 
-    log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step) if env.is_main else None
+    log = (
+        MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step, tensorboard=cfg.tensorboard)
+        if env.is_main
+        else None
+    )
     if log:
         log.write(
             "start",
@@ -279,6 +354,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             "scaler": scaler.state_dict(),
             "world_size": env.world_size,
             "skipped_steps": skipped_total,
+            "model": model_description,  # what fullshard ckpt export --hf writes as config.json
         }
         # overwrite: after an elastic restart the group may redo (and re-save) a step.
         with faults.saving(at):
@@ -306,15 +382,25 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         mine_rows = data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
-        starts = sampler.next_batch()[mine_rows]
-        batch = data_mod.gather_windows(data.train, starts, cfg.seq_len).to(env.device)
+        global_starts = sampler.next_batch()
+        # [Note: loss over the global batch] the mean over every learned target of the global
+        # batch (each rank can count them: it knows every start), so masked targets and the
+        # number of ranks do not change the math; x world size undoes the gradient averaging.
+        n_targets = data_mod.count_targets(data.train_mask, global_starts, cfg.seq_len)
+        weight = env.world_size / max(n_targets, 1)
+        inputs, targets = data_mod.gather_batch(
+            data.train, data.train_mask, global_starts[mine_rows], cfg.seq_len
+        )
+        inputs, targets = inputs.to(env.device), targets.to(env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
-            micro = batch[i * cfg.micro_batch : (i + 1) * cfg.micro_batch]
+            rows = slice(i * cfg.micro_batch, (i + 1) * cfg.micro_batch)
             model.set_requires_gradient_sync(i == accum - 1)  # type: ignore[operator]
-            logits = logits_of(model, micro[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
-            (loss * (scaler.scale / accum)).backward()
+            logits = logits_of(model, inputs[rows])
+            loss = weight * F.cross_entropy(
+                logits.float().flatten(0, 1), targets[rows].flatten(), reduction="sum"
+            )
+            (loss * scaler.scale).backward()
             loss_sum += loss.detach()
         faults.after_backward(step, model)
         grad_norm = _grad_norm_and_clip(model, cfg.grad_clip, 1.0 / scaler.scale)
@@ -331,7 +417,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         over_budget = env.is_main and 0 < cfg.time_budget < time.monotonic() - t_start
         wants_stop = 2.0 if stop.signal is not None else 1.0 if over_budget else 0.0
         mine = torch.tensor(
-            [float(loss_sum) / accum, _peak_mem_mib(env.device), wants_stop, _rss_mib()],
+            [float(loss_sum), _peak_mem_mib(env.device), wants_stop, _rss_mib()],
             dtype=torch.float64,
             device=env.device,
         )
@@ -393,7 +479,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             log.write("eval", step=step, loss=eval_loss)
             progress.line(f"step {step}: eval loss {eval_loss:.4f}")
     if reason == "done" and cfg.sample_tokens:
-        _print_sample(model, cfg, data, env)
+        _print_sample(model, cfg, data, env, tokenizer)
     if log:
         log.write(
             "stop",
@@ -422,9 +508,12 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
 
 
 def _print_sample(
-    model: nn.Module, cfg: TrainConfig, data: data_mod.TokenData, env: DistEnv
+    model: nn.Module, cfg: TrainConfig, data: data_mod.TokenData, env: DistEnv, tokenizer: Any
 ) -> None:
-    prompt = list(cfg.sample_prompt.encode()) if data.byte_level else []
+    if tokenizer is not None:
+        prompt = list(tokenizer(cfg.sample_prompt)["input_ids"])
+    else:
+        prompt = list(cfg.sample_prompt.encode()) if data.byte_level else []
     model.eval()
     out = generate(
         model,
@@ -438,7 +527,9 @@ def _print_sample(
     )
     model.train()
     if env.is_main:
-        if data.byte_level:
+        if tokenizer is not None:
+            text = str(tokenizer.decode(prompt + out))
+        elif data.byte_level:
             text = bytes(prompt + out).decode("utf-8", errors="replace")
         else:
             text = " ".join(map(str, out))

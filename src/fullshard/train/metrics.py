@@ -11,6 +11,11 @@
 - ``stop``: ``step``, ``reason`` (``done``, ``signal``, ``time_budget``), ``checkpoint``.
 
 On resume the file is cut back to the resumed step, so it always reads as one run.
+
+With ``--tensorboard`` the same train and eval numbers also go to TensorBoard event files in
+the run directory (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
+``train/step_time_s``, ``train/peak_mem_mib`` and ``train/rss_mib`` as the largest rank's,
+``eval/loss``); on resume TensorBoard is told to drop the events after the resumed step.
 """
 
 from __future__ import annotations
@@ -23,7 +28,21 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["MetricsLog", "Progress", "plot", "read_metrics"]
+__all__ = ["MetricsLog", "Progress", "plot", "read_metrics", "tensorboard_writer_class"]
+
+_TB_TRAIN = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "rss_mib")
+
+
+def tensorboard_writer_class() -> Any:
+    """``torch.utils.tensorboard.SummaryWriter``; ImportError with the fix if not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "--tensorboard needs the tensorboard package: pip install 'fullshard[tensorboard]' "
+            "(or pip install tensorboard), or drop --tensorboard"
+        ) from None
+    return SummaryWriter
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -39,9 +58,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Appends records to ``metrics.jsonl``, flushed line by line."""
+    """Appends records to ``metrics.jsonl``, flushed line by line (and to TensorBoard)."""
 
-    def __init__(self, path: Path, *, resume_step: int) -> None:
+    def __init__(self, path: Path, *, resume_step: int, tensorboard: bool = False) -> None:
         self.path = path
         kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= resume_step]
         if resume_step == 0:
@@ -51,16 +70,30 @@ class MetricsLog:
         tmp.write_text(text)
         tmp.replace(path)
         self._f: TextIO = path.open("a")
+        self._tb: Any = None
+        if tensorboard:  # purge_step: events of steps after the resumed one are stale
+            writer = tensorboard_writer_class()
+            self._tb = writer(log_dir=str(path.parent), purge_step=resume_step + 1)
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one record."""
         record = {"kind": kind, **fields, "time": round(time.time(), 3)}
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
+        if self._tb is not None and kind in ("train", "eval"):
+            for name in _TB_TRAIN if kind == "train" else ("loss",):
+                value = fields.get(name)
+                if isinstance(value, list):  # per rank: the largest
+                    value = max(value, default=None)
+                if value is not None:
+                    self._tb.add_scalar(f"{kind}/{name}", value, fields["step"], record["time"])
+            self._tb.flush()
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file (and the TensorBoard writer)."""
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def _fmt_duration(seconds: float) -> str:

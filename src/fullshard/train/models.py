@@ -8,9 +8,14 @@ run it to logits, and sample from it. Models never import fullshard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +24,16 @@ from fullshard.train import hf
 from fullshard.train.config import TrainConfig
 from fullshard.train.model import GPT, GPTConfig
 
-__all__ = ["Units", "build_model", "count_parameters", "generate", "logits_of", "units_of"]
+__all__ = [
+    "Units",
+    "build_model",
+    "count_parameters",
+    "describe",
+    "generate",
+    "load_exported",
+    "logits_of",
+    "units_of",
+]
 
 META_INIT_THRESHOLD = 1_000_000_000  # parameters; above it --init auto builds on meta
 
@@ -65,25 +79,27 @@ def build_model(cfg: TrainConfig, *, meta: bool = False) -> nn.Module:
     ctx = _params_on_meta() if meta else contextlib.nullcontext()
     with ctx:
         if cfg.uses_hf:
-            model = hf.build(hf.parse_config(cfg.hf_config))
+            model = hf.build(hf.parse_config(cfg.hf_config_source))
         else:
             model = GPT(gpt_config(cfg))
-    if cfg.hf_weights and not meta:
-        hf.load_weights(model, cfg.hf_weights)
+    if cfg.hf_weights_source and not meta:
+        hf.load_weights(model, cfg.hf_weights_source)
     return model
 
 
 def count_parameters(cfg: TrainConfig) -> int:
     """Unique parameters of ``cfg``'s model (built on meta: free)."""
     with torch.device("meta"):
-        model = hf.build(hf.parse_config(cfg.hf_config)) if cfg.uses_hf else GPT(gpt_config(cfg))
+        model = (
+            hf.build(hf.parse_config(cfg.hf_config_source)) if cfg.uses_hf else GPT(gpt_config(cfg))
+        )
     return sum(p.numel() for p in model.parameters())
 
 
 def vocab_size_of(cfg: TrainConfig) -> int:
     """Vocabulary size of ``cfg``'s model."""
     if cfg.uses_hf:
-        return hf.vocab_and_context(hf.parse_config(cfg.hf_config))[0]
+        return hf.vocab_and_context(hf.parse_config(cfg.hf_config_source))[0]
     return cfg.vocab_size
 
 
@@ -157,3 +173,50 @@ def generate(
         probs = torch.softmax(top.values, dim=-1)
         tokens.append(int(top.indices[torch.multinomial(probs, 1, generator=gen)]))
     return tokens[len(prompt) :]
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """What the model is, JSON-able, for a checkpoint's ``extra["model"]`` (export reads it).
+
+    ``{"kind": "gpt", "config": GPTConfig fields}`` or ``{"kind": "hf", "config": the
+    Hugging Face config as config.json holds it}``.
+    """
+    if isinstance(model, GPT):
+        return {"kind": "gpt", "config": dataclasses.asdict(model.cfg)}
+    config = model.config.to_dict()  # type: ignore[union-attr,operator]
+    config["architectures"] = [type(model).__name__]
+    return {"kind": "hf", "config": config}
+
+
+def load_exported(path: str | os.PathLike[str]) -> nn.Module:
+    """Load a model directory written by ``fullshard ckpt export CKPT --hf DIR`` (eval mode).
+
+    A Hugging Face model loads through ``transformers.AutoModelForCausalLM.from_pretrained``;
+    fullshard's GPT (``config.json`` with ``"model_type": "fullshard_gpt"``) is rebuilt from its
+    config and the safetensors shards. ::
+
+        from fullshard.train.models import load_exported
+        model = load_exported("exported/")
+        logits = model(torch.tensor([[1, 2, 3]]))   # GPT; an HF model returns .logits
+    """
+    from safetensors.torch import load_file
+
+    from fullshard.checkpoint.export import GPT_MODEL_TYPE
+
+    root = Path(path)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{root}: no config.json; write the directory with fullshard ckpt export CKPT --hf DIR"
+        )
+    config = json.loads(config_path.read_text())
+    if config.get("model_type") != GPT_MODEL_TYPE:
+        return hf.from_pretrained(root)
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    model = GPT(GPTConfig(**{k: v for k, v in config.items() if k in names}))
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        state.update(load_file(str(root / shard)))
+    model.load_state_dict(state)
+    return model.eval()

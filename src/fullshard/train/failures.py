@@ -1,0 +1,202 @@
+"""How a rank's failure is reported, and whether restarting could help.
+
+[Note: deterministic failures] Some failures repeat on every restart: a checkpoint that does
+not fit the model or is corrupted (with no intact one to fall back to), a full disk, a
+directory the job may not write. Restarting the group for those only repeats the failure and
+buries its cause under every rank's traceback. So a rank that fails:
+
+- appends its traceback to ``RUN_DIR/logs/rank_<R>.log`` (never to the terminal), and writes
+  ``RUN_DIR/logs/failure_rank<R>.json`` with a one-line message: the root cause and the fix;
+- exits with :data:`FATAL_EXIT` when the failure is deterministic, else 1.
+
+The launcher (``fullshard train``, see launch.py) reads those records after the group has
+stopped: a deterministic failure on any rank ends the job at once with one final
+``fullshard train: error: ...`` line; anything else (a crash, a killed or hung rank) restarts
+the group, up to ``--max-restarts``. Under a bare ``torchrun`` the ranks print that line
+themselves (rank 0, or the failing rank), since no launcher reads the records.
+
+A rank that fails only because another one did (a save that failed elsewhere, a checkpoint
+another rank could not read) is *secondary*: it never decides the outcome.
+
+This module imports no torch: the launcher and ``--help`` use it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ATTEMPT_ENV",
+    "FATAL_EXIT",
+    "LAUNCHER_ENV",
+    "Failure",
+    "SecondaryFailure",
+    "attempt_number",
+    "classify",
+    "describe_exit",
+    "log_dir",
+    "rank_failed",
+    "read_failures",
+]
+
+FATAL_EXIT = 3  # a rank's exit status for a deterministic failure (2: a refused config)
+ATTEMPT_ENV = "FULLSHARD_ATTEMPT"  # set by the launcher: how many times it restarted the group
+LAUNCHER_ENV = "FULLSHARD_LOCAL_LAUNCH"  # set by `fullshard train` for the ranks it launches
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
+# A collective that fails with one of these lost a peer that had died: a consequence.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+_MAX_MESSAGE = 600  # characters: a message is one line on a terminal, give or take
+
+
+class SecondaryFailure(RuntimeError):
+    """This rank failed because another rank did (that rank's record names the cause)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure, as the launcher reports it."""
+
+    message: str  # one line: what went wrong and how to fix it
+    fatal: bool  # it would happen again after a restart
+    secondary: bool = False  # a consequence of another rank's failure
+
+
+def attempt_number() -> int:
+    """Restarts of the group so far: the launcher's own count plus torchrun's (one of the two
+    is 0: ``fullshard train`` relaunches the group itself, a bare torchrun restarts it)."""
+    env = os.environ
+    return int(env.get(ATTEMPT_ENV, "0") or 0) + int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def log_dir(run_dir: Path) -> Path:
+    """Where the ranks' tracebacks and failure records go."""
+    return run_dir / "logs"
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line; a long one keeps its start (the cause) and end (often the fix)."""
+    line = " ".join(text.split())
+    if len(line) <= _MAX_MESSAGE:
+        return line
+    half = (_MAX_MESSAGE - 5) // 2
+    return f"{line[:half]} ... {line[-half:]}"
+
+
+def _os_error(e: OSError, fix: str) -> str:
+    what = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+    return f"{what}" + (f" ({e.filename})" if e.filename else "") + f"; {fix}"
+
+
+def classify(exc: BaseException) -> Failure:
+    """Whether ``exc`` would repeat on a restart, with a one-line message naming the fix."""
+    from fullshard.checkpoint.manifest import (
+        CheckpointCorruptedError,
+        CheckpointError,
+        CheckpointMismatchError,
+    )
+
+    if isinstance(exc, SecondaryFailure):
+        return Failure(_one_line(str(exc)), fatal=False, secondary=True)
+    if isinstance(exc, CheckpointMismatchError):
+        return Failure(
+            _one_line(
+                f"{exc.what}: {exc.differences(4)}. Pass the model flags it was trained with "
+                "(--preset, --d-model, ..., --hf-config), or train this model in its own run "
+                "directory (--name NAME or --run-dir DIR)"
+            ),
+            fatal=True,
+        )
+    if isinstance(exc, CheckpointCorruptedError):
+        return Failure(
+            _one_line(
+                f"{exc} (check a checkpoint with 'fullshard ckpt inspect DIR'; --resume PATH "
+                "starts from a given one)"
+            ),
+            fatal=True,
+        )
+    if isinstance(exc, CheckpointError):
+        return Failure(_one_line(str(exc)), fatal=True)
+    if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+        fix = (
+            "free some space or use a --run-dir on a disk with room (lower --keep-last to keep "
+            "fewer checkpoints), then run the same command again: it resumes from the newest "
+            "checkpoint"
+        )
+        return Failure(_one_line(_os_error(exc, fix)), fatal=True)
+    if isinstance(exc, OSError) and exc.errno in _NO_PERMISSION:
+        fix = (
+            "make the run directory writable for this user (or pick another --run-dir), then "
+            "run the same command again"
+        )
+        return Failure(_one_line(_os_error(exc, fix)), fatal=True)
+    if isinstance(exc, RuntimeError) and "failed on another rank" in str(exc):
+        return Failure(_one_line(str(exc)), fatal=False, secondary=True)  # see saving._step
+    message = _one_line(f"{type(exc).__name__}: {exc}")
+    lost_peer = any(s in message.lower() for s in _PEER_GONE)
+    return Failure(message, fatal=False, secondary=lost_peer)
+
+
+def rank_failed(exc: BaseException, *, run_dir: Path, rank: int, launched: bool) -> int:
+    """A rank's last act after ``exc`` (see [Note: deterministic failures]): log the
+    traceback, record the failure, and return the exit status. ``launched``: under
+    ``fullshard train`` (which reports), not a bare torchrun (where this rank reports)."""
+    failure = classify(exc)
+    attempt = attempt_number()
+    text = "".join(traceback.format_exception(exc))
+    logs = log_dir(run_dir)
+    log = logs / f"rank_{rank}.log"
+    record = asdict(failure) | {"rank": rank, "attempt": attempt, "time": time.time()}
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"=== attempt {attempt}, rank {rank}, {time.ctime()}\n{text}\n")
+        (logs / f"failure_rank{rank}.json").write_text(json.dumps(record | {"log": str(log)}))
+    except OSError as e:  # e.g. the disk is full: the terminal is all that is left
+        print(
+            f"fullshard train: rank {rank}: cannot write {log} ({e.strerror or e}); "
+            f"traceback:\n{text}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if launched and failure.fatal and not failure.secondary:
+            print(f"fullshard train: error: {failure.message}", file=sys.stderr, flush=True)
+    else:
+        if not launched and not failure.secondary:
+            kind = "error" if failure.fatal else f"rank {rank} failed"
+            print(f"fullshard train: {kind}: {failure.message} (traceback: {log})", file=sys.stderr)
+    return FATAL_EXIT if failure.fatal and not failure.secondary else 1
+
+
+def read_failures(run_dir: Path, since: float) -> list[dict[str, Any]]:
+    """The ranks' failure records written after ``since`` (a ``time.time()``), oldest first."""
+    records = []
+    for path in log_dir(run_dir).glob("failure_rank*.json"):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and float(rec.get("time", 0)) >= since:
+            records.append(rec)
+    return sorted(records, key=lambda r: float(r["time"]))
+
+
+def describe_exit(rank: int, exitcode: int) -> str:
+    """``rank 1 was killed by SIGKILL`` / ``rank 1 exited with status 1``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = " (the out-of-memory killer, or kill -9)" if name == "SIGKILL" else ""
+        return f"rank {rank} was killed by {name}{why}"
+    return f"rank {rank} exited with status {exitcode}"
