@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs fullshard with its dev extras.
+# Creates .venv (if missing) and installs fullshard with its dev and clients extras.
 # Without a GPU it installs PyTorch's CPU wheel first, so pip never pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +15,5 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/pip install -q torch==2.13.0
   fi
 fi
-.venv/bin/pip install -q -e ".[dev]"
+# torch is installed above, so resolving the extras keeps it (no CUDA build is pulled).
+.venv/bin/pip install -q -e ".[dev,clients]"

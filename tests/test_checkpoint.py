@@ -146,7 +146,11 @@ def _resume(root: str) -> dict[str, Any]:
 
 def _reshard(root: str, hsdp: bool) -> dict[str, Any]:
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        if hsdp
+        else None
+    )
     model = make_model(seed=5, mesh=mesh, units=world != 3)  # 3 ranks: another unit layout
     opt = make_optimizer(model)
     ckpt.load(Path(root) / "checkpoints" / f"step_{SAVE_AT:08d}", model=model, optimizer=opt)

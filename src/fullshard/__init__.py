@@ -14,9 +14,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+    from .api import (
+        FSDPModule,
+        UnshardHandle,
+        fully_shard,
+        register_fsdp_forward_method,
+        share_comm_ctx,
+    )
     from .clip import clip_grad_norm_
     from .collectives import CollectiveStats, count_collectives
+    from .module import FullyShardError
+    from .patch import TorchFSDPPatch, patch_torch_fsdp
     from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 # public name -> the submodule that defines it
@@ -25,6 +33,10 @@ _LAZY = {
     "UnshardHandle": "api",
     "fully_shard": "api",
     "register_fsdp_forward_method": "api",
+    "share_comm_ctx": "api",
+    "FullyShardError": "module",
+    "TorchFSDPPatch": "patch",
+    "patch_torch_fsdp": "patch",
     "clip_grad_norm_": "clip",
     "CollectiveStats": "collectives",
     "count_collectives": "collectives",
@@ -39,13 +51,17 @@ __all__ = [
     "CollectiveStats",
     "CommPolicy",
     "FSDPModule",
+    "FullyShardError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "TorchFSDPPatch",
     "UnshardHandle",
     "clip_grad_norm_",
     "count_collectives",
     "fully_shard",
+    "patch_torch_fsdp",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""``fully_shard`` and the ``FSDPModule`` mixin — the public, FSDP2-compatible surface.
+"""``fully_shard``: the public, FSDP2-compatible entry point (``FSDPModule`` is in module.py).
 
 Code written for PyTorch FSDP2 switches with one import::
 
@@ -16,146 +16,59 @@ parameter becomes a ``DTensor`` registered on its modules, so ``model.parameters
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Placement
 
 from .group import ParamGroup
-from .hooks import STATE_ATTR, FSDPState, states_under
-from .init import check_reshard_after_forward, claim_params, lazy_init, resolve_reshard
+from .hooks import STATE_ATTR, FSDPState
+from .init import check_reshard_after_forward, claim_params
 from .mesh import default_mesh, mesh_info
+from .module import (
+    FSDPModule,
+    FullyShardError,
+    UnshardHandle,
+    _all_states,
+    _state,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
+_ = (_all_states, _state)  # re-exported for tests and tools
 
 
-def _state(module: nn.Module) -> FSDPState:
-    st = module.__dict__.get(STATE_ATTR)
-    if st is None:
-        raise ValueError(f"{type(module).__name__} is not an FSDPModule: call fully_shard on it")
-    return cast(FSDPState, st)
+_FSDP_CLASSES: dict[type, type] = {}  # original class -> its FSDP<Name> subclass
 
 
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; :meth:`wait` finishes the gather."""
-
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        """Block until the unit's parameters are unsharded and registered."""
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
-
-
-class FSDPModule:
-    """Mixin added to every module ``fully_shard`` was applied to (FSDP2's methods)."""
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this unit's parameters; with ``async_op`` return a handle to wait on."""
-        state = _state(cast(nn.Module, self))
-        if state.ctx is None:
-            lazy_init(state)
-        group = state.group
-        group.unshard()
-        handle = UnshardHandle(group)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free this unit's unsharded parameters and register the sharded ones."""
-        _state(cast(nn.Module, self)).group.reshard()
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
-        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        state = _state(cast(nn.Module, self))
-        for sp in state.group.params:
-            sp.sync_from_modules()
-        if state.ctx is not None:  # after lazy init: a cast needs a layout in the new dtype
-            state.group.init_layout(state.on_grad_accumulated)
-        return ret
-
-    def _states(self, recurse: bool) -> list[FSDPState]:
-        st = _state(cast(nn.Module, self))
-        return st.subtree_states() if recurse else [st]
-
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
-        """Turn gradient reduction on/off (off: accumulate unsharded gradients locally)."""
-        for st in self._states(recurse):
-            st.group.requires_gradient_sync = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: skip (False) or do the all-reduce across replicas after the reduce-scatter."""
-        for st in self._states(recurse):
-            st.group.requires_all_reduce = requires_all_reduce
-
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ) -> None:
-        """Whether to free unsharded parameters after backward (False saves a re-gather)."""
-        for st in self._states(recurse):
-            st.group.reshard_after_backward = reshard_after_backward
-
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool | int, *, recurse: bool = True
-    ) -> None:
-        """Change the post-forward reshard policy (True, False or an int group size ``k``
-        that divides each unit's shard group size)."""
-        states = self._states(recurse)
-        for st in states:  # validate all before changing any
-            check_reshard_after_forward(reshard_after_forward, st.group.world)
-        for st in states:
-            st.reshard_after_forward = reshard_after_forward
-            if st.ctx is not None:
-                resolve_reshard(st)
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the step (call it on the root).
-
-        ``False`` (e.g. all but the last micro-batch): the end of that backward does not wait
-        for the last reductions still in flight; they finish during the next backward, so
-        they overlap its compute. Gradients are complete once a backward with ``True`` ends.
-        """
-        _state(cast(nn.Module, self)).is_last_backward = is_last_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Explicit forward prefetch: start these units' all-gathers in this unit's pre-forward."""
-        _state(cast(nn.Module, self)).forward_prefetch = [
-            _state(cast(nn.Module, m)) for m in modules
-        ]
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Explicit backward prefetch: start these units' all-gathers in this unit's pre-backward."""
-        _state(cast(nn.Module, self)).backward_prefetch = [
-            _state(cast(nn.Module, m)) for m in modules
-        ]
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        if factor <= 0:
-            raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        for st in self._states(True):
-            st.group.gradient_divide_factor = float(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Sum gradients across ranks without any division."""
-        for st in self._states(True):
-            st.group.force_sum_reduction = enable
+def _deepcopy_refused(self: nn.Module, memo: Any) -> Any:
+    raise FullyShardError(
+        f"copy.deepcopy of a fully_shard unit ({type(self).__name__}) is not supported: its "
+        f"parameters are DTensor shards bound to hooks and a process group. Copy the weights "
+        f"instead: build a new model and load model.state_dict() (sharded) or "
+        f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))"
+    )
 
 
 def _fsdp_class(cls: type) -> type:
-    if issubclass(cls, FSDPModule):
-        return cls
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    """``FSDP<Name>(FSDPModule, <Name>)``, one per original class, as FSDP2 builds them."""
+    new = _FSDP_CLASSES.get(cls)
+    if new is None:
+        attrs = {"__module__": cls.__module__, "__deepcopy__": _deepcopy_refused}
+        new = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
+        _FSDP_CLASSES[cls] = new
+    return new
 
 
 def _install_hooks(module: nn.Module, state: FSDPState) -> None:
@@ -178,8 +91,9 @@ def fully_shard(
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - as FSDP2; never mutated
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     comm_policy: CommPolicy | None = None,
 ) -> Any:
     """Shard ``module``'s parameters across ``mesh`` and make it one communication unit.
@@ -198,24 +112,34 @@ def fully_shard(
       the end; uneven sizes allowed, unlike FSDP2) or ``None`` (``Shard(0)``).
     - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
+    - ``dp_mesh_dims``: FSDP2's data-parallel dims of a larger SPMD mesh; only ``None`` for
+      now (pass the data-parallel sub-mesh as ``mesh``).
     - ``comm_policy`` (fullshard only): the transport (``packed`` / ``p2p`` / ``auto``) and
       low-precision communication, see :class:`fullshard.policies.CommPolicy`.
 
     Parameters already owned by a unit applied earlier (a child) stay with it; a Parameter
     tied across units (e.g. embedding and output head) is handled, unlike FSDP2. Returns the
-    module(s), now instances of :class:`FSDPModule`.
+    module(s), now instances of :class:`FSDPModule` — and of torch's
+    ``torch.distributed.fsdp.FSDPModule`` — with ``_is_fsdp_managed_module = True`` on every
+    module they manage, so frameworks that detect FSDP2 detect fullshard.
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     if not modules:
         raise ValueError("fully_shard needs at least one module")
     for m in modules:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-        if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; each module may "
-                f"form only one unit (apply it once per module, bottom-up)"
-            )
+        _check_module(m)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims={dp_mesh_dims}) is not supported by fullshard yet: pass "
+            f"the data-parallel sub-mesh itself, e.g. mesh=spmd_mesh['dp'] (1-D) or "
+            f"mesh=spmd_mesh['replicate', 'shard'] (HSDP)"
+        )
+    if mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise FullyShardError(
+            f"a 2-D mesh for HSDP must name its dims (replicate, shard): build it with "
+            f"init_device_mesh(device_type, {tuple(mesh.shape)}, "
+            f"mesh_dim_names=('replicate', 'shard'))"
+        )
     info = mesh_info(mesh if mesh is not None else default_mesh())
     check_reshard_after_forward(reshard_after_forward, info.shard_size)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -267,24 +191,24 @@ def fully_shard(
                 if buf is not None and buf.device.type not in ("meta", compute_device.type):
                     sub._buffers[key] = buf.to(compute_device)
         _install_hooks(m, state)
+        for sub in m.modules():  # what FSDP2 marks, and what transformers / dynamo look for
+            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
+            sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     return module
 
 
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>()`` run the unit's forward hooks (e.g. ``generate``)."""
-    if not isinstance(module, FSDPModule):
-        return
-    state = _state(module)
-    original = getattr(module, method_name)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        out = original(*args, **kwargs)
-        return state.post_forward(module, args, kwargs, out)
-
-    setattr(module, method_name, wrapped)
-
-
-def _all_states(module: nn.Module) -> list[FSDPState]:
-    """Every unit state under ``module`` (used by tests and tools)."""
-    return states_under([module])
+def _check_module(m: object) -> None:
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+    if isinstance(m, FSDPModule):
+        raise FullyShardError(
+            f"fully_shard was already applied to this {type(m).__name__}; each module may "
+            f"form only one unit (apply it once per module, bottom-up)"
+        )
+    if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard cannot make a unit of a {type(m).__name__} (it has no forward, so "
+            f"its hooks would never run): apply it to each element (for block in "
+            f"model.layers: fully_shard(block)) or pass them as one unit: "
+            f"fully_shard(list(model.layers))"
+        )

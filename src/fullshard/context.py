@@ -116,6 +116,26 @@ class StepContext:
             st.training_state = TrainingState.IDLE
         self.callback_queued = False
 
+    def reset_iter_state(self) -> None:
+        """Recover from an exception mid-forward or mid-backward (``FSDPModule.reset_iter_state``).
+
+        Waits for the reductions in flight and drops their results (the failed iteration's
+        gradients are lost), brings every unit back to sharded and IDLE and forgets this
+        step's orders; the previous forward order (the prefetch plan) is kept. The autograd
+        engine drops queued callbacks when a backward raises, so the flag is cleared too.
+        """
+        for p in self.pending:
+            p.handle.wait()
+        self.pending = []
+        for st in self.states:
+            st.group.reset_iter_state()
+            st.training_state = TrainingState.IDLE
+            st._post_forward_calls = 0
+        self.streams.wait_host_copies()
+        self.forward_order = []
+        self.post_forward_order = []
+        self.callback_queued = False
+
     # ------------------------------------------------------------------------- subgroups
     def post_forward_subgroup(self, group: ParamGroup, k: int) -> tuple[dist.ProcessGroup, int]:
         """Process groups of ``k`` consecutive ranks within each shard group (created once)."""

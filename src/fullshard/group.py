@@ -63,6 +63,7 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
+        self.unshard_in_backward = True  # False: backward needs no parameter (e.g. embedding)
         self.partial = PartialReduce()  # HSDP accumulation without the all-reduce
         # Post-forward partial reshard (reshard_after_forward=int): kept chunk and its group.
         self.post_forward_group: dist.ProcessGroup | None = None
@@ -252,6 +253,20 @@ class ParamGroup:
         if not ready:
             return None
         return start_reduce(self, ready)
+
+    def reset_iter_state(self) -> None:
+        """After an aborted forward/backward: sharded, nothing in flight, no gradient kept.
+
+        Drops the unit's unreduced gradients (also those accumulated with gradient sync off
+        and HSDP partial sums); sharded gradients already handed out stay.
+        """
+        self.reshard()  # waits for an all-gather in flight
+        self._grads_seen = 0
+        self.partial = PartialReduce()
+        for sp in self.params:
+            sp.unsharded_accum_grad = None
+            if sp.unsharded_param is not None:
+                sp.unsharded_param.grad = None
 
     def finish_backward(self) -> None:
         """End of backward: drop per-backward counters; free anything still gathered."""

@@ -29,6 +29,7 @@ from .group import ParamGroup
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
 from .state import ShardedState, TrainingState
+from .streams import CommStreams
 
 __all__ = ["STATE_ATTR", "FSDPState", "states_under"]
 
@@ -79,6 +80,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True  # read on the root (set_is_last_backward)
+        self.shared_streams: CommStreams | None = None  # root: from share_comm_ctx
         self._post_forward_calls = 0
 
     @property
@@ -160,11 +162,13 @@ class FSDPState:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         emit("backward_start", self.name)
-        self.group.wait_for_unshard()
+        if self.group.unshard_in_backward:
+            self.group.wait_for_unshard()
         targets = self.backward_prefetch
         for prev in ctx.next_in_backward(self) if targets is None else targets:
             if prev.training_state is not TrainingState.POST_BACKWARD:
-                prev.group.unshard()
+                if prev.group.unshard_in_backward:
+                    prev.group.unshard()
 
     def on_grad_accumulated(self, sp: ShardedParam) -> None:
         """Post-accumulate-grad hook of each parameter: the last one triggers post-backward."""

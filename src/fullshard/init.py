@@ -134,6 +134,8 @@ def lazy_init(root: FSDPState) -> StepContext:
             f"checkpoint) before the forward pass"
         )
     ctx = StepContext(root, states, root.group.device)
+    if root.shared_streams is not None:  # share_comm_ctx: one set of streams for several roots
+        ctx.streams = root.shared_streams
     _assign_shared_params(states)
     for st in states:
         st.ctx = ctx

@@ -1,0 +1,396 @@
+"""``FSDPModule``: the class every ``fully_shard`` unit becomes, with all of FSDP2's methods.
+
+fullshard's ``FSDPModule`` subclasses ``torch.distributed.fsdp.FSDPModule``, so code that
+recognises FSDP2 units by class (Accelerate, Lightning Fabric, transformers, torch's pipelining
+schedules and DCP helpers) sees fullshard's units as FSDP2 units. Every public method of torch
+2.13's ``FSDPModule`` is overridden here (``tests/test_fsdp2_compat.py`` checks that none is
+inherited): torch's methods reach into torch's engine state, which a fullshard unit does not
+have, so none of them ever runs.
+
+Methods whose FSDP2 meaning is about CUDA streams or NCCL buffers either do the same thing in
+fullshard's terms (documented per method) or, where the machine cannot do it (a CPU-only gloo
+group), raise an error saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
+
+from .group import ParamGroup
+from .hooks import STATE_ATTR, FSDPState, states_under
+from .init import check_reshard_after_forward, lazy_init, resolve_reshard
+from .streams import CommStreams
+
+__all__ = [
+    "FSDPModule",
+    "FullyShardError",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
+
+
+class FullyShardError(ValueError, AssertionError):
+    """A misuse FSDP2 reports with ``AssertionError`` (fullshard also makes it a ``ValueError``).
+
+    Raised for ``fully_shard`` applied twice to one module, an unnamed 2-D mesh,
+    ``copy.deepcopy`` of a unit and a method called on a module that is no unit: code written
+    against either library catches it.
+    """
+
+
+def _state(module: nn.Module) -> FSDPState:
+    st = module.__dict__.get(STATE_ATTR)
+    if st is None:
+        raise FullyShardError(
+            f"{type(module).__name__} is not an FSDPModule: call fully_shard on it"
+        )
+    return cast(FSDPState, st)
+
+
+def _all_states(module: nn.Module) -> list[FSDPState]:
+    """Every unit state under ``module`` (used by tests and tools)."""
+    return states_under([module])
+
+
+def _check_fsdp_modules(modules: list[Any], what: str) -> None:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"{what} expects FSDPModules (fully_shard units), got {type(m)}")
+
+
+def _not_yet(method: str, value: object, default: object) -> None:
+    """Refuse a knob value the engine does not implement yet (the default is accepted)."""
+    if value != default:
+        raise NotImplementedError(
+            f"{method}({value!r}) is not implemented by fullshard yet (only {default!r}, "
+            f"fullshard's fixed behaviour, is accepted); leave it unset"
+        )
+
+
+def _on_cpu_group(state: FSDPState) -> bool:
+    return state.group.device.type == "cpu"
+
+
+class UnshardHandle(_TorchUnshardHandle):
+    """Returned by ``FSDPModule.unshard(async_op=True)``; :meth:`wait` finishes the gather."""
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Block until the unit's parameters are unsharded and registered."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule(_TorchFSDPModule):
+    """Added to the class of every module ``fully_shard`` was applied to (FSDP2's methods).
+
+    ``isinstance(unit, torch.distributed.fsdp.FSDPModule)`` is true. Indexing or slicing a
+    sharded container (``seq[1:]``) builds a plain container of the original class, as in FSDP2.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Construct the original class (e.g. ``nn.Sequential.__getitem__(slice)`` calls
+        # ``self.__class__(...)``): the new container is not a unit.
+        orig = next(c for c in cls.__mro__ if not issubclass(c, _TorchFSDPModule))
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)  # type: ignore[misc]
+        return self
+
+    def _get_fsdp_state(self) -> FSDPState:  # type: ignore[override]
+        """fullshard's per-unit state (FSDP2 returns its own ``FSDPState`` here)."""
+        return _state(cast(nn.Module, self))
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        st = _state(cast(nn.Module, self))
+        return st.subtree_states() if recurse else [st]
+
+    # ------------------------------------------------------------------ gather / free
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
+        """All-gather this unit's parameters (not recursive), following ``mp_policy``.
+
+        With ``async_op`` return a handle; the unit's pre-forward waits on a pending unshard,
+        so ``wait()`` is needed only to use the parameters before that.
+        """
+        state = _state(cast(nn.Module, self))
+        if state.ctx is None:
+            lazy_init(state)
+        group = state.group
+        group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters and register the sharded ones (not recursive)."""
+        _state(cast(nn.Module, self)).group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted a forward or backward mid-flight (root only).
+
+        Waits for collectives in flight, reshards every unit, discards pending gradient
+        reductions (the failed iteration's gradients are lost, including gradients accumulated
+        with gradient sync off) and clears the per-iteration state, so the next iteration runs
+        normally. Raises ``RuntimeError`` on a non-root unit.
+        """
+        root = _state(cast(nn.Module, self))
+        if root.ctx is None:  # no forward ran yet: nothing to reset
+            return
+        if not root.is_root:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root FSDP module, not on the unit "
+                f"{root.name!r}: call it on the module fully_shard was applied to last"
+            )
+        root.ctx.reset_iter_state()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
+        # super(_TorchFSDPModule, ...): skip torch's FSDPModule._apply (torch's engine state).
+        ret = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        state = _state(cast(nn.Module, self))
+        for sp in state.group.params:
+            sp.sync_from_modules()
+        if state.ctx is not None:  # after lazy init: a cast needs a layout in the new dtype
+            state.group.init_layout(state.on_grad_accumulated)
+        return ret
+
+    # --------------------------------------------------------------- gradient knobs
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Turn gradient reduction on/off (off: accumulate unsharded gradients locally)."""
+        for st in self._states(recurse):
+            st.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: skip (False) or do the all-reduce across replicas after the reduce-scatter."""
+        for st in self._states(recurse):
+            st.group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether to free unsharded parameters after backward (False saves a re-gather)."""
+        for st in self._states(recurse):
+            st.group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(  # type: ignore[override]
+        self, reshard_after_forward: bool | int, recurse: bool = True
+    ) -> None:
+        """Change the post-forward reshard policy: a bool as in FSDP2, or (fullshard) an int
+        group size ``k`` that divides each unit's shard group size."""
+        states = self._states(recurse)
+        for st in states:  # validate all before changing any
+            check_reshard_after_forward(reshard_after_forward, st.group.world)
+        for st in states:
+            st.reshard_after_forward = reshard_after_forward
+            if st.ctx is not None:
+                resolve_reshard(st)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (call it on the root).
+
+        ``False`` (e.g. all but the last micro-batch): the end of that backward does not wait
+        for the last reductions still in flight; they finish during the next backward, so
+        they overlap its compute. Gradients are complete once a backward with ``True`` ends.
+        """
+        _state(cast(nn.Module, self)).is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        for st in self._states(True):
+            st.group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated FSDP2 name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Sum gradients across ranks without any division."""
+        for st in self._states(True):
+            st.group.force_sum_reduction = enable
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters without a gradient join the reduction with zeros (FSDP2: for
+        ranks that use different parameters). fullshard leaves them out (``False``)."""
+        _not_yet("set_reduce_scatter_unused_params", reduce_scatter_unused_params, False)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many gradient reductions may be in flight; fullshard keeps one (``1``)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        _not_yet("set_reduce_scatter_max_input_buffers", max_input_buffers, 1)
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run reductions on their own process group; fullshard shares one (``False``)."""
+        _not_yet("set_separate_reduce_scatter_group", enable, False)
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """A hook run on each reduction's output (FSDP2); not implemented by fullshard yet."""
+        raise NotImplementedError(
+            "set_all_reduce_hook is not implemented by fullshard yet: reduce the sharded "
+            "gradients yourself after backward (param.grad is a DTensor shard)"
+        )
+
+    # ------------------------------------------------------------- prefetch / unshard
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]
+        """Explicit forward prefetch: start these units' all-gathers in this unit's pre-forward."""
+        _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
+        _state(cast(nn.Module, self)).forward_prefetch = [
+            _state(cast(nn.Module, m)) for m in modules
+        ]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]
+        """Explicit backward prefetch: start these units' all-gathers in this unit's pre-backward."""
+        _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
+        _state(cast(nn.Module, self)).backward_prefetch = [
+            _state(cast(nn.Module, m)) for m in modules
+        ]
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether this unit gathers its parameters for backward (not recursive).
+
+        ``False`` is for units whose backward reads no parameter (an embedding: its weight
+        gradient needs only the indices): the unit's pre-backward all-gather is skipped; its
+        gradients are still reduce-scattered.
+        """
+        _state(cast(nn.Module, self)).group.unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2: issue pre-forward/pre-backward gathers with ``async_op`` so their buffers come
+        from the default stream. fullshard always allocates on the current stream and issues
+        gathers asynchronously (waited in pre-forward), i.e. it already behaves as ``True``,
+        with implicit prefetch kept; either value is accepted and changes nothing."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the next forward's gathers wait on ``event`` (recorded after the optimizer step);
+        the event is used once, then dropped.
+
+        FSDP2 waits on this event *instead of* the current stream, to avoid false dependencies.
+        fullshard issues its gathers from the current stream, so they already follow it; the
+        event is waited on as well (correct, but no dependency is removed). CPU has no streams
+        or events (``optimizer.step()`` has finished when it returns), so an event on a
+        CPU-only unit is refused.
+        """
+        module = cast(nn.Module, self)
+        state = _state(module)
+        if _on_cpu_group(state) or getattr(event, "device", torch.device("cpu")).type == "cpu":
+            raise RuntimeError(
+                f"set_post_optim_event on unit {state.name!r}: this unit computes on the CPU, "
+                f"which has no streams or events (the optimizer step is complete when step() "
+                f"returns); drop the call on CPU"
+            )
+        handles: list[Any] = []
+
+        def wait_once(*_: Any, **__: Any) -> None:
+            event.wait()  # the current stream (where fullshard issues gathers) waits
+            handles.pop().remove()
+
+        handles.append(module.register_forward_pre_hook(wait_once, prepend=True))
+
+    # ----------------------------------------------------------- custom collectives
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """FSDP2's custom all-gather (``AllGather``); not implemented by fullshard yet."""
+        raise NotImplementedError(
+            "set_custom_all_gather is not implemented by fullshard yet: fullshard picks its own "
+            "gather algorithm per backend; fullshard.CommPolicy sets the wire dtype"
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """FSDP2's custom reduce-scatter (``ReduceScatter``); not implemented by fullshard yet."""
+        raise NotImplementedError(
+            "set_custom_reduce_scatter is not implemented by fullshard yet: fullshard picks its "
+            "own reduction algorithm per backend; fullshard.CommPolicy sets the wire dtype"
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate NCCL staging buffers from the process group's allocator (NCCL only)."""
+        if enable and _on_cpu_group(_state(cast(nn.Module, self))):
+            raise RuntimeError(
+                "set_allocate_memory_from_process_group_for_comm(True) needs an NCCL group: on "
+                "gloo fullshard exchanges straight from/into parameters and gradients, with no "
+                "staging buffers to allocate"
+            )
+        _not_yet("set_allocate_memory_from_process_group_for_comm", enable, False)
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Allocate all-gather buffers in symmetric memory (NCCL only)."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
+        if _on_cpu_group(_state(cast(nn.Module, self))):
+            raise RuntimeError(
+                "set_symm_mem_for_comm needs CUDA and NCCL; this unit computes on the CPU"
+            )
+        raise NotImplementedError("set_symm_mem_for_comm is not implemented by fullshard yet")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` run the unit's forward hooks (e.g. ``generate``).
+
+    A no-op on a module that is not an FSDPModule, as in FSDP2.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = _state(module)
+    original = getattr(module, method_name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        out = original(*args, **kwargs)
+        return state.post_forward(module, args, kwargs, out)
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (e.g. the model chunks of pipeline stages) share one set of CUDA
+    communication streams, as FSDP2 does, instead of one set per root.
+
+    Call it after ``fully_shard`` and before the first forward; on the CPU there are no
+    streams, so it only validates ``modules``.
+    """
+    _check_fsdp_modules(modules, "share_comm_ctx")
+    states = [_state(cast(nn.Module, m)) for m in modules]
+    if not states:
+        return
+    started = [st.name for st in states if st.ctx is not None]
+    if started:
+        raise RuntimeError(
+            f"share_comm_ctx must be called before the first forward; these roots already ran "
+            f"one: {started}"
+        )
+    shared = CommStreams(states[0].group.device)
+    for st in states:
+        st.shared_streams = shared

@@ -1,0 +1,167 @@
+"""``patch_torch_fsdp()``: make frameworks that call torch's ``fully_shard`` get fullshard's.
+
+Accelerate, Lightning Fabric, transformers and torch's pipelining call
+``torch.distributed.fsdp.fully_shard`` themselves. fullshard's units already *are*
+``torch.distributed.fsdp.FSDPModule`` instances and take torch's policy classes, so the one
+missing piece is the call: :func:`patch_torch_fsdp` rebinds ``fully_shard``,
+``register_fsdp_forward_method`` and ``share_comm_ctx`` to fullshard's in every loaded module
+that holds torch's function objects (``torch.distributed.fsdp``, its ``_fully_shard`` package
+and module, ``torch.distributed._composable.fsdp[.fully_shard]``, ``torch.distributed.pipelining
+.stage`` and any framework module that imported them by name), so nothing else changes::
+
+    import fullshard
+    fullshard.patch_torch_fsdp()   # before the framework shards the model
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from . import api, module
+from .context import StepContext
+from .hooks import STATE_ATTR, FSDPState
+from .init import lazy_init
+
+__all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
+
+# Modules that re-export torch's functions: imported first so the scan finds them even when no
+# framework has imported them yet (a later ``from torch... import fully_shard`` then reads the
+# patched attribute).
+_REEXPORTERS = (
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed._composable.fsdp.fully_shard",
+    "torch.distributed.pipelining.stage",
+)
+_NAMES = ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx")
+
+
+_TORCH_FUNCS: dict[str, Any] = {}  # torch's original functions, read once before any patch
+
+
+def _originals() -> dict[int, tuple[str, Any]]:
+    """id(torch's function) -> (name, fullshard's replacement)."""
+    ours = {
+        "fully_shard": api.fully_shard,
+        "register_fsdp_forward_method": module.register_fsdp_forward_method,
+        "share_comm_ctx": module.share_comm_ctx,
+    }
+    if not _TORCH_FUNCS:
+        torch_api = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+        _TORCH_FUNCS.update({n: getattr(torch_api, n) for n in _NAMES})
+    return {id(_TORCH_FUNCS[n]): (n, ours[n]) for n in _NAMES}
+
+
+@dataclass
+class TorchFSDPPatch:
+    """What :func:`patch_torch_fsdp` replaced; :meth:`undo` puts torch's functions back."""
+
+    replaced: list[tuple[ModuleType, str, Any]] = field(default_factory=list)  # module, attr, orig
+    active: bool = True
+
+    def undo(self) -> None:
+        """Restore torch's functions everywhere they were replaced (idempotent)."""
+        global _ACTIVE
+        with _LOCK:
+            for mod, attr, orig in reversed(self.replaced):
+                setattr(mod, attr, orig)
+            self.replaced.clear()
+            self.active = False
+            if _ACTIVE is self:
+                _ACTIVE = None
+
+    @property
+    def modules(self) -> list[str]:
+        """``module.attr`` names currently patched (for logging and tests)."""
+        return [f"{m.__name__}.{a}" for m, a, _ in self.replaced]
+
+
+_ACTIVE: TorchFSDPPatch | None = None
+_LOCK = threading.Lock()
+
+
+def patch_torch_fsdp() -> TorchFSDPPatch:
+    """Replace torch's ``fully_shard`` (and its two helper functions) with fullshard's.
+
+    Idempotent: a second call re-scans for modules imported since (patching those too) and
+    returns the same handle. ``handle.undo()`` restores torch's functions.
+    """
+    global _ACTIVE
+    with _LOCK:
+        for name in _REEXPORTERS:
+            importlib.import_module(name)
+        originals = _originals()
+        handle = _ACTIVE or TorchFSDPPatch()
+        for mod in list(sys.modules.values()):
+            if not isinstance(mod, ModuleType):
+                continue
+            try:
+                items = list(vars(mod).items())
+            except TypeError:  # a module-like object without a __dict__
+                continue
+            for attr, value in items:
+                hit = originals.get(id(value))
+                if hit is not None and attr == hit[0]:
+                    setattr(mod, attr, hit[1])
+                    handle.replaced.append((mod, attr, value))
+        _ACTIVE = handle
+        return handle
+
+
+# --------------------------------------------------------------------------------------------
+# ``fully_shard.state(module)``: torch's pipelining stage (``PipelineStage``) finishes a step's
+# gradient reduction by reaching into FSDP2's state —
+#     state = fully_shard.state(stage_module)
+#     for s in state._state_ctx.all_states: for g in s._fsdp_param_groups: g.post_backward()
+#     state._root_post_backward_final_callback()
+# — through whichever ``fully_shard`` its module holds (fullshard's, once patched). This view
+# answers those three calls with fullshard's engine.
+
+
+class _GroupView:
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    def post_backward(self) -> None:
+        if self._state.group.params:
+            self._state.post_backward()
+
+
+class _StateCtxView:
+    def __init__(self, ctx: StepContext) -> None:
+        self.all_states = [_StateView(st) for st in ctx.states]
+
+
+class _StateView:
+    """The part of FSDP2's ``FSDPState`` that torch's pipelining stage uses."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+        self._fsdp_param_groups = [_GroupView(state)]
+
+    def _ctx(self) -> StepContext:
+        return self._state.ctx or lazy_init(self._state)
+
+    @property
+    def _state_ctx(self) -> _StateCtxView:
+        return _StateCtxView(self._ctx())
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._ctx().finish_backward()
+
+
+def _fully_shard_state(mod: nn.Module) -> _StateView | None:
+    st = mod.__dict__.get(STATE_ATTR)
+    return None if st is None else _StateView(st)
+
+
+api.fully_shard.state = _fully_shard_state  # type: ignore[attr-defined]
