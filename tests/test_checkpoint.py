@@ -41,7 +41,7 @@ SAVE_AT = 3
 
 
 def _run(fn: Callable[..., dict[str, Any]], world: int, *args: Any) -> list[dict[str, Any]]:
-    return run_distributed(fn, world, *args, timeout=120)
+    return run_distributed(fn, world, *args, timeout=600)
 
 
 def _train_and_save(root: str) -> dict[str, Any]:
