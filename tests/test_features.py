@@ -39,7 +39,9 @@ BF16_VS_FP32 = 2e-2  # bf16 compute + fp32 reduction vs the fp32 single-process 
 BF16_VS_FSDP2 = 1e-3  # same policy, seed and data under torch FSDP2
 LOWP_BF16_BOUND = 1e-2  # bf16 all-gather + bf16 reduce-scatter, fp32 masters and compute
 LOWP_INT8_BOUND = 2e-2  # int8 block-wise all-gather + bf16 reduce-scatter
-TRANSPORTS = ("auto", "packed", "p2p")  # each runs the same parity checks
+# Each runs the same parity checks; ``auto`` picks ``packed`` for these tiny units (see
+# test_engine), so the two real transports are enough.
+TRANSPORTS = ("packed", "p2p")
 
 
 def _shard_root_and_blocks(model: nn.Module, fs, **kw) -> nn.Module:
@@ -80,7 +82,7 @@ def _mixed_precision() -> dict:
             else:
                 losses.append(sharded_step(model, opt, step))
         out[name] = losses
-    ours = runs["ours-auto"]
+    ours = runs["ours-packed"]
     out["master_dtypes"] = sorted({str(p.dtype) for p in ours.parameters()})
     out["grad_accum_dtype"] = _accumulation_dtype()
     out["fp16"] = {t: _fp16_no_overflow(t) for t in TRANSPORTS}
