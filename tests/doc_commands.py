@@ -25,8 +25,8 @@ def docs() -> dict[str, str]:
 
 def commands_in(text: str) -> list[tuple[str, list[str], str]]:
     """``(command, argv after 'fullshard train', documented output)`` for every command shown:
-    in code blocks (continued over lines until its quotes close; ``$`` marks one whose output
-    follows) and inline in backticks."""
+    in code blocks (continued over lines after a trailing backslash or until its quotes close;
+    ``$`` marks one whose output follows) and inline in backticks."""
     found: list[tuple[str, list[str], str]] = []
     blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
     for block in blocks:
@@ -39,6 +39,9 @@ def commands_in(text: str) -> list[tuple[str, list[str], str]]:
             if not m:
                 continue
             command = m.group(2)
+            while command.endswith("\\") and i < len(lines):  # a shell line continuation
+                command = command[:-1].rstrip() + " " + lines[i]
+                i += 1
             while True:
                 try:
                     words = shlex.split(command, comments=True)

@@ -66,7 +66,7 @@ def make_tokenizer(out: Path) -> Any:
     return fast
 
 
-def make_llama(out: Path, vocab_size: int, seed: int = 0) -> Any:
+def make_llama(out: Path, vocab_size: int, seed: int = 0, max_positions: int = 128) -> Any:
     """A 2-layer, 64-wide Llama with random weights, saved (safetensors) with its config."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -79,7 +79,7 @@ def make_llama(out: Path, vocab_size: int, seed: int = 0) -> Any:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)
@@ -87,8 +87,8 @@ def make_llama(out: Path, vocab_size: int, seed: int = 0) -> Any:
     return model
 
 
-def make_hf_model_dir(out: Path) -> Path:
+def make_hf_model_dir(out: Path, max_positions: int = 128) -> Path:
     """A local HF model directory: config, safetensors weights and tokenizer files."""
     tok = make_tokenizer(out)
-    make_llama(out, vocab_size=len(tok))
+    make_llama(out, vocab_size=len(tok), max_positions=max_positions)
     return out

@@ -24,12 +24,14 @@ from fullshard.train import cli
 from fullshard.train import data as data_mod
 from fullshard.train.config import from_toml
 from fullshard.train.metrics import read_metrics
+from hf_local import make_hf_model_dir, write_chat_jsonl
 from reliability_helpers import fullshard, write_corpus
 
 FEWER_STEPS = ["--max-steps", "3", "--eval-every", "0", "--sample-tokens", "0"]
 FEWER_STEPS += ["--progress", "plain"]
 TORCHRUN_FLAGS = {"--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint"}
 TORCHRUN_FLAGS |= {"--rdzv-id", "--standalone"}
+OTHER_TOOLS_FLAGS = TORCHRUN_FLAGS | {"--local-dir"}  # torchrun, huggingface-cli download
 
 
 def test_the_docs_show_the_commands_this_test_runs() -> None:
@@ -54,6 +56,11 @@ def test_every_documented_command_passes_its_checks_or_fails_as_documented(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # The files the fine-tuning examples name, made locally (see hf_local): a model directory
+    # and a chat corpus.
+    make_hf_model_dir(tmp_path / "my-llama", max_positions=512)
+    write_chat_jsonl(tmp_path / "chat.jsonl", 2000)
     # The default corpus (the standard library's source) is read once, not once per command.
     monkeypatch.setattr(data_mod, "load_tokens", functools.cache(data_mod.load_tokens))
     unique = {
@@ -75,11 +82,28 @@ def test_every_documented_command_passes_its_checks_or_fails_as_documented(
     assert "tiny" in launched and "small" in launched, launched
 
 
+def _ckpt_export_help() -> str:
+    """``fullshard ckpt export --help`` (the docs name its flags beside train's)."""
+    import contextlib
+    import io
+
+    from fullshard.checkpoint import cli as ckpt_cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        ckpt_cli.main(["export", "--help"])
+    return out.getvalue()
+
+
 def test_every_documented_flag_exists() -> None:
-    known = set(re.findall(r"--[a-z][a-z0-9-]*", cli.build_parser().format_help()))
+    from fullshard.memory import cli as plan_cli
+
+    helps = cli.build_parser().format_help() + _ckpt_export_help()
+    helps += plan_cli._parser().format_help()  # docs/train.md shows `fullshard plan` too
+    known = set(re.findall(r"--[a-z][a-z0-9-]*", helps))
     for doc, text in docs().items():
         for name in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w-])", text)):
-            assert name in known or name in TORCHRUN_FLAGS, f"{doc} names unknown flag {name}"
+            assert name in known or name in OTHER_TOOLS_FLAGS, f"{doc} names unknown flag {name}"
 
 
 def test_the_toml_example_loads(tmp_path: Path) -> None:
