@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils._pytree import tree_map
 
 from fullshard import count_collectives, fully_shard
 from fullshard.api import _all_states
@@ -47,6 +48,100 @@ class MixedNet(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(x)
+
+
+# --------------------------------------------------------------- all-gather extension subclasses
+aten = torch.ops.aten
+# Ops whose results stay the subclass (what sharding and DTensor wrapping run on a weight).
+_KEEP = {
+    aten.slice.Tensor,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.view.default,
+    aten.alias.default,
+    aten.empty_like.default,
+    aten.split.Tensor,
+}
+
+
+class _GatherExt(torch.Tensor):
+    """A wrapper subclass around an fp32 tensor whose shards define FSDP2's extension."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> _GatherExt:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, data.shape, strides=data.stride(), dtype=data.dtype, device=data.device
+        )
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        unwrap = lambda t: t._data if isinstance(t, _GatherExt) else t  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func in _KEEP:
+            return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, out)
+        if func._schema.is_mutable:  # in place (optimizer steps): the wrapper itself
+            return args[0]
+        return out
+
+
+class Bf16Gather(_GatherExt):
+    """All-gathers its shard in bf16: half the bytes; the gathered weight is bf16-rounded."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,) = outputs
+        if out is not None:
+            out.copy_(data)
+            return None
+        full = data.to(param_dtype)
+        return full, (full,)
+
+
+class SplitGather(_GatherExt):
+    """Gathers two bf16 inputs (high part + residual) and checks its metadata on arrival."""
+
+    def fsdp_pre_all_gather(self, mesh):  # the old one-argument form
+        hi = self._data.to(torch.bfloat16)
+        lo = (self._data - hi.float()).to(torch.bfloat16)
+        return (hi, lo), {"tag": "split", "rows": self._data.shape[0]}
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        assert metadata == {"tag": "split", "rows": self._data.shape[0]}, metadata
+        hi, lo = outputs
+        full = hi.to(param_dtype) + lo.to(param_dtype)
+        if out is not None:
+            out.copy_(full)
+            return None
+        return full, (full,)
+
+
+class RoundedLinear(nn.Linear):
+    """Computes with bf16-rounded weights (idempotent: a bf16-gathered weight is unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(torch.bfloat16).float(), self.bias)
+
+
+def _ext_net(kind: type[_GatherExt] | None) -> MixedNet:
+    net = _net()
+    for b in net.blocks:
+        for name in ("up", "down"):
+            old = getattr(b, name)
+            new = RoundedLinear(old.in_features, old.out_features)
+            new.load_state_dict(old.state_dict())
+            setattr(b, name, new)
+        if kind is not None:
+            b.up.weight = nn.Parameter(kind(b.up.weight.detach().clone()))
+            b.down.weight = nn.Parameter(kind(b.down.weight.detach().clone()))
+    return net
 
 
 def _net() -> MixedNet:
@@ -121,6 +216,30 @@ def _cases() -> dict:
     losses = _train(compiled, rank, world)
     out["compile_model"] = _errors(net, losses, ref)
     out["graphs"] = counters["stats"]["unique_graphs"]
+
+    # 3. The all-gather extension: bf16 on the wire (half the bytes), and two inputs + metadata.
+    ext_ref_net = _ext_net(None)
+    ext_ref = (_train(ext_ref_net, 0, 1), full_state(ext_ref_net))
+    for kind in (None, Bf16Gather, SplitGather):
+        name = kind.__name__ if kind is not None else "plain"
+        net = _shard(_ext_net(kind))
+        if kind is not None:
+            assert type(net.blocks[0].up.weight._local_tensor) is kind
+        with count_collectives() as stats:  # one forward + backward: bytes per wire dtype
+            net(batch(0)[0][:2]).sum().backward()
+        net.zero_grad()
+        gathers = [r for r in stats.records if r.kind == "all_gather"]
+        out[f"{name}_bytes"] = {
+            str(dtype): sum(r.nbytes for r in gathers if r.dtype == dtype)
+            for dtype in (torch.bfloat16, torch.float32)
+        }
+        if kind is None:
+            continue
+        losses = _train(net, rank, world)
+        out[name] = _errors(net, losses, ext_ref)
+        out[f"{name}_unsharded"] = sum(
+            st.group.unsharded_bytes_allocated for st in _all_states(net)
+        )
     return out
 
 
@@ -139,5 +258,15 @@ def test_mixed_dtypes_and_compile() -> None:
         assert "blocks.0.down.weight: torch.float64" in r["refused"], r["refused"]
         assert "param_dtype" in r["refused"]
         assert r["graphs"] > 0  # something was compiled between the unit hooks
-        for name in ("mixed", "compile_blocks", "compile_model"):
+        for name in ("mixed", "compile_blocks", "compile_model", "Bf16Gather", "SplitGather"):
             _check(r, name)
+        # bf16 on the wire: forward + backward gather every weight twice, at 2 bytes each.
+        # The extension weights leave the fp32 gathers and join the bf16 ones at half the bytes
+        # (the frozen bf16 weights are on the bf16 wire in every run).
+        plain, bf16, split = r["plain_bytes"], r["Bf16Gather_bytes"], r["SplitGather_bytes"]
+        moved = plain["torch.float32"] - bf16["torch.float32"]
+        assert moved > 0 and bf16["torch.float32"] == split["torch.float32"], (plain, bf16)
+        assert bf16["torch.bfloat16"] - plain["torch.bfloat16"] == moved // 2, (plain, bf16)
+        # two bf16 inputs (high part + residual): as many bytes as fp32
+        assert split["torch.bfloat16"] - plain["torch.bfloat16"] == moved, (plain, split)
+        assert r["Bf16Gather_unsharded"] == r["SplitGather_unsharded"] == 0

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
 from .mesh import MeshInfo
 from .param import ShardedParam
@@ -49,6 +50,8 @@ class ParamGroup:
         # in ``subgroups``, one per dtype ([Note: one buffer per dtype]). Set by init_layout.
         self.layout: list[ShardedParam] = params
         self.subgroups: list[ParamGroup] = []
+        # Parameters whose shards define FSDP2's all-gather extension (fullshard.extension).
+        self.extended: ExtensionGather | None = None
         self.info = info
         self.device = device  # where unsharded parameters live and compute happens
         self.mp_policy = mp_policy
@@ -88,12 +91,12 @@ class ParamGroup:
 
     def compute_dtype(self) -> torch.dtype:
         """Dtype of the unsharded parameters (``param_dtype`` or the parameters' own)."""
-        return self.mp_policy.param_dtype or self.layout[0].orig_dtype
+        return self.mp_policy.param_dtype or (self.layout or self.params)[0].orig_dtype
 
     def accum_dtype(self) -> torch.dtype:
         """Dtype of unsharded gradients accumulated without sync (the reduce dtype)."""
         mp = self.mp_policy
-        return mp.reduce_dtype or mp.param_dtype or self.layout[0].orig_dtype
+        return mp.reduce_dtype or mp.param_dtype or (self.layout or self.params)[0].orig_dtype
 
     def wire_reduce_dtype(self) -> torch.dtype:
         return self.comm_policy.reduce_dtype or self.accum_dtype()
@@ -108,7 +111,9 @@ class ParamGroup:
             return
         if self.state is not ShardedState.SHARDED:
             raise RuntimeError(f"unit {self.name!r}: cannot change its parameters while unsharded")
-        self.layout, others = self._split_by_dtype()
+        ext = [sp for sp in self.params if has_extension(sp.local)]
+        self.extended = ExtensionGather(ext, on_grad_accumulated) if ext else None
+        self.layout, others = self._split_by_dtype([sp for sp in self.params if sp not in ext])
         self.subgroups = [
             ParamGroup(
                 sub,
@@ -149,7 +154,9 @@ class ParamGroup:
         self._release()
         self._layout_key = key
 
-    def _split_by_dtype(self) -> tuple[list[ShardedParam], list[list[ShardedParam]]]:
+    def _split_by_dtype(
+        self, params: list[ShardedParam]
+    ) -> tuple[list[ShardedParam], list[list[ShardedParam]]]:
         """This group's own parameters and, per other dtype, the frozen ones to gather apart.
 
         [Note: one buffer per dtype]
@@ -161,16 +168,16 @@ class ParamGroup:
         dtypes in one unit would need one reduction per dtype: refused.
         """
         if self.mp_policy.param_dtype is not None:
-            return self.params, []
+            return params, []
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for sp in self.params:
+        for sp in params:
             by_dtype.setdefault(sp.orig_dtype, []).append(sp)
-        if len(by_dtype) == 1:
-            return self.params, []
-        trainable = {sp.orig_dtype for sp in self.params if sp.requires_grad}
+        if len(by_dtype) <= 1:
+            return params, []
+        trainable = {sp.orig_dtype for sp in params if sp.requires_grad}
         if len(trainable) > 1:
             listing = ", ".join(
-                f"{sp.fqn}: {sp.orig_dtype}" for sp in self.params if sp.requires_grad
+                f"{sp.fqn}: {sp.orig_dtype}" for sp in params if sp.requires_grad
             )
             raise ValueError(
                 f"unit {self.name!r} has trainable parameters of several dtypes ({listing}); "
@@ -178,9 +185,14 @@ class ParamGroup:
                 f"the module to one dtype, set MixedPrecisionPolicy(param_dtype=...), or "
                 f"shard the odd parameters in their own fully_shard call"
             )
-        main = trainable.pop() if trainable else self.params[0].orig_dtype
+        main = trainable.pop() if trainable else params[0].orig_dtype
         others = [group for dtype, group in by_dtype.items() if dtype != main]
         return by_dtype[main], others
+
+    @property
+    def own_params(self) -> list[ShardedParam]:
+        """The parameters this group gathers itself: its buffer's and the extension ones."""
+        return self.layout + (self.extended.params if self.extended is not None else [])
 
     def regions(self) -> list[torch.Tensor]:
         """Per-parameter ``[world, shard_numel]`` views of the unsharded buffer (made once:
@@ -201,6 +213,7 @@ class ParamGroup:
         """Bytes currently held by the unsharded buffer (0 when resharded)."""
         copies = sum(sp.unsharded_data_bytes for sp in self.layout)
         copies += sum(child.unsharded_bytes_allocated for child in self.subgroups)
+        copies += self.extended.bytes_allocated if self.extended is not None else 0
         if self.unsharded_buf is None:
             return copies
         return self.unsharded_buf.untyped_storage().nbytes() + copies
@@ -211,6 +224,8 @@ class ParamGroup:
             self.unsharded_buf.untyped_storage().resize_(0)
         for sp in self.layout:
             sp.free_unsharded()
+        if self.extended is not None:
+            self.extended.release()
 
     def check_materialised(self) -> None:
         """Raise a clear error if any parameter is still on the meta device."""
@@ -230,7 +245,9 @@ class ParamGroup:
         """Issue the all-gather of this unit's parameters (no-op if unsharded or in flight)."""
         if not self.params or self.state in (ShardedState.UNSHARDED, ShardedState.UNSHARDING):
             return
-        self._gather = start_gather(self)
+        self._gather = start_gather(self) if self.layout else None
+        if self.extended is not None:
+            self.extended.start(self)
         for child in self.subgroups:
             child.unshard()
         self._to(ShardedState.UNSHARDING)
@@ -241,11 +258,13 @@ class ParamGroup:
             return
         self.unshard()
         pending, self._gather = self._gather, None
-        assert pending is not None
-        finish_gather(self, pending)
+        if pending is not None:
+            finish_gather(self, pending)
+        if self.extended is not None:
+            self.extended.finish(self)
         for child in self.subgroups:
             child.wait_for_unshard()
-        for sp in self.layout:
+        for sp in self.own_params:
             sp.to_unsharded()
         self._to(ShardedState.UNSHARDED)
 
@@ -253,9 +272,11 @@ class ParamGroup:
     def reshard(self) -> None:
         """Free the unsharded parameters (and any kept copy); register the sharded ones."""
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
-            assert self._gather is not None
-            self._gather.handle.wait()
+            if self._gather is not None:
+                self._gather.handle.wait()
             self._gather = None
+            if self.extended is not None:
+                self.extended.wait_dropped()
         self.post_forward_chunk = None
         for child in self.subgroups:
             child.reshard()
@@ -266,7 +287,7 @@ class ParamGroup:
 
     def _free_unsharded(self, new: ShardedState) -> None:
         if self.state is ShardedState.UNSHARDED:
-            for sp in self.layout:
+            for sp in self.own_params:
                 sp.to_sharded()
         self._release()  # also a gather in pieces never waited on
         self._to(new)
