@@ -194,7 +194,9 @@ def _cases() -> dict:
     with count_collectives() as stats:
         losses = _train(net, rank, world)
     out["mixed"] = _errors(net, losses, ref)
-    out["mixed_gather_dtypes"] = sorted({str(r.dtype) for r in stats.records if r.kind == "all_gather"})
+    out["mixed_gather_dtypes"] = sorted(
+        {str(r.dtype) for r in stats.records if r.kind == "all_gather"}
+    )
     out["mixed_unsharded"] = sum(st.group.unsharded_bytes_allocated for st in _all_states(net))
     # Two trainable dtypes in one unit would need two reductions: refused, naming them.
     bad = _net()

@@ -125,9 +125,7 @@ class ExtensionGather:
                     data = torch.as_strided(full, sp.orig_shape, stride, 0)
                     up = nn.Parameter(data, requires_grad=sp.requires_grad)
                     if sp.requires_grad:
-                        up.register_post_accumulate_grad_hook(
-                            lambda _p, sp=sp: self._on_grad(sp)
-                        )
+                        up.register_post_accumulate_grad_hook(lambda _p, sp=sp: self._on_grad(sp))
                     sp.unsharded_param = up
                     self._inner[id(sp)] = tuple(inner)
                 else:

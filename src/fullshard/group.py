@@ -176,9 +176,7 @@ class ParamGroup:
             return params, []
         trainable = {sp.orig_dtype for sp in params if sp.requires_grad}
         if len(trainable) > 1:
-            listing = ", ".join(
-                f"{sp.fqn}: {sp.orig_dtype}" for sp in params if sp.requires_grad
-            )
+            listing = ", ".join(f"{sp.fqn}: {sp.orig_dtype}" for sp in params if sp.requires_grad)
             raise ValueError(
                 f"unit {self.name!r} has trainable parameters of several dtypes ({listing}); "
                 f"a unit reduces gradients in one dtype (frozen parameters may differ). Cast "
