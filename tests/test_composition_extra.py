@@ -272,3 +272,31 @@ def test_mixed_dtypes_and_compile() -> None:
         # two bf16 inputs (high part + residual): as many bytes as fp32
         assert split["torch.bfloat16"] - plain["torch.bfloat16"] == moved, (plain, split)
         assert r["Bf16Gather_unsharded"] == r["SplitGather_unsharded"] == 0
+
+
+def _hsdp_tp() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard import clip_grad_norm_
+    from test_composition import STEPS as TP_STEPS
+    from test_composition import _compare, _reference, _tp_fsdp, _tp_net
+    from test_composition import _train as _tp_train
+
+    out: dict = {}
+    ref_losses, ref_state = _reference(_tp_net, TP_STEPS)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    model = _tp_fsdp(mesh)
+    w = model.blocks[0].up.weight
+    out["mesh"] = w.device_mesh.mesh_dim_names
+    out["placements"] = [type(p).__name__ for p in w.placements]
+    r, s, _ = mesh.get_coordinate()
+    losses = _tp_train(model, TP_STEPS, r * 2 + s, 4, clip=clip_grad_norm_)
+    _compare("hsdp_tp", losses, ref_losses, full_state(model), ref_state, out)
+    return out
+
+
+def test_hsdp_tp_8_ranks() -> None:
+    for r in run_distributed(_hsdp_tp, 8):
+        assert r["mesh"] == ("replicate", "shard", "tp")
+        assert r["placements"] == ["Replicate", "_StridedShard", "Shard"]
+        _check(r, "hsdp_tp")
