@@ -131,7 +131,7 @@ def _knobs() -> dict:
     mixed = _TwoLinear()
     mixed.b.to(torch.float64)
     fully_shard(mixed)
-    with pytest.raises(ValueError, match="mixes parameter dtypes") as e:
+    with pytest.raises(ValueError, match="trainable parameters of several dtypes") as e:
         mixed(torch.randn(2, 6))
     errors["dtypes"] = str(e.value)
     with pytest.raises(ValueError, match="reshard_after_forward") as e:

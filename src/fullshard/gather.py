@@ -58,7 +58,7 @@ def _allocate(buf: torch.Tensor) -> None:
 
 def _offload_event(g: ParamGroup) -> None:
     if g.offloaded:
-        nbytes = sum(sp.local_numel * sp.local.element_size() for sp in g.params)
+        nbytes = sum(sp.local_numel * sp.local.element_size() for sp in g.layout)
         emit("h2d", g.name, nbytes=nbytes)
 
 
@@ -78,7 +78,7 @@ def start_gather(g: ParamGroup) -> PendingGather:
 
 def _pack_shards(g: ParamGroup, inp: torch.Tensor) -> torch.Tensor:
     """Copy this rank's shards into ``inp`` (1-D, ``total`` elements; casts to its dtype)."""
-    for sp, off in zip(g.params, g.offsets):
+    for sp, off in zip(g.layout, g.offsets):
         sp.copy_local_into(inp[off : off + sp.shard_numel])
     return inp
 
@@ -118,10 +118,10 @@ def _gather_in_pieces(g: ParamGroup) -> PendingGather:
         _allocate(buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
         regions = g.regions()
         with g.streams.use("gather"):
-            for sp, region in zip(g.params, regions):
+            for sp, region in zip(g.layout, regions):
                 sp.copy_local_into(region[me])
             pieces = [
-                [sp.rank_piece(region[r], r) for sp, region in zip(g.params, regions)]
+                [sp.rank_piece(region[r], r) for sp, region in zip(g.layout, regions)]
                 for r in range(g.world)
             ]
             nbytes = buf.numel() * buf.element_size()
@@ -155,7 +155,7 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
     # values they had when saved (see [Note: why storage is resized, not freed]).
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
         _allocate(buf)
-        sizes = [sp.shard_numel for sp in g.params]
+        sizes = [sp.shard_numel for sp in g.layout]
         torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())
     _copy_out(g)
 
@@ -163,5 +163,5 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
 def _copy_out(g: ParamGroup) -> None:
     """Placements whose unsharded form is not a view of the buffer copy themselves out."""
     with torch.no_grad():
-        for sp, region in zip(g.params, g.regions()):
+        for sp, region in zip(g.layout, g.regions()):
             sp.copy_out(region)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
 from .mesh import MeshInfo
 from .param import ShardedParam
@@ -44,7 +45,13 @@ class ParamGroup:
         offloaded: bool = False,
         pin_memory: bool = False,
     ) -> None:
-        self.params = params
+        self.params = params  # every parameter of the unit (what init, api and checkpoints see)
+        # The parameters in this group's own buffer; parameters of other dtypes (frozen) live
+        # in ``subgroups``, one per dtype ([Note: one buffer per dtype]). Set by init_layout.
+        self.layout: list[ShardedParam] = params
+        self.subgroups: list[ParamGroup] = []
+        # Parameters whose shards define FSDP2's all-gather extension (fullshard.extension).
+        self.extended: ExtensionGather | None = None
         self.info = info
         self.device = device  # where unsharded parameters live and compute happens
         self.mp_policy = mp_policy
@@ -85,12 +92,12 @@ class ParamGroup:
 
     def compute_dtype(self) -> torch.dtype:
         """Dtype of the unsharded parameters (``param_dtype`` or the parameters' own)."""
-        return self.mp_policy.param_dtype or self.params[0].orig_dtype
+        return self.mp_policy.param_dtype or (self.layout or self.params)[0].orig_dtype
 
     def accum_dtype(self) -> torch.dtype:
         """Dtype of unsharded gradients accumulated without sync (the reduce dtype)."""
         mp = self.mp_policy
-        return mp.reduce_dtype or mp.param_dtype or self.params[0].orig_dtype
+        return mp.reduce_dtype or mp.param_dtype or (self.layout or self.params)[0].orig_dtype
 
     def wire_reduce_dtype(self) -> torch.dtype:
         return self.comm_policy.reduce_dtype or self.accum_dtype()
@@ -105,18 +112,28 @@ class ParamGroup:
             return
         if self.state is not ShardedState.SHARDED:
             raise RuntimeError(f"unit {self.name!r}: cannot change its parameters while unsharded")
-        dtypes = {sp.orig_dtype for sp in self.params}
-        if len(dtypes) > 1 and self.mp_policy.param_dtype is None:
-            listing = ", ".join(f"{sp.fqn}: {sp.orig_dtype}" for sp in self.params)
-            raise ValueError(
-                f"unit {self.name!r} mixes parameter dtypes ({listing}); one unit communicates "
-                f"one packed buffer. Cast the module to one dtype, set "
-                f"MixedPrecisionPolicy(param_dtype=...), or shard the odd parameters in their "
-                f"own fully_shard call"
+        ext = [sp for sp in self.params if has_extension(sp.local)]
+        self.extended = ExtensionGather(ext, on_grad_accumulated) if ext else None
+        self.layout, others = self._split_by_dtype([sp for sp in self.params if sp not in ext])
+        self.subgroups = [
+            ParamGroup(
+                sub,
+                self.info,
+                self.device,
+                self.mp_policy,
+                f"{self.name} [{sub[0].orig_dtype}]",
+                self.comm_policy,
+                offloaded=self.offloaded,
+                pin_memory=self.pin_memory,
             )
+            for sub in others
+        ]
+        for child in self.subgroups:
+            child.streams = self.streams
+            child.init_layout(on_grad_accumulated)
         self.offsets = []
         off = 0
-        for sp in self.params:
+        for sp in self.layout:
             self.offsets.append(off)
             off += sp.shard_numel
         self.total = off
@@ -130,13 +147,51 @@ class ParamGroup:
             buf.numel() * buf.element_size(),
         )
         self._regions = self._make_regions()
-        for sp, region in zip(self.params, self._regions):
+        for sp, region in zip(self.layout, self._regions):
             up = nn.Parameter(sp.unsharded_view(region), requires_grad=sp.requires_grad)
             if sp.requires_grad:
                 up.register_post_accumulate_grad_hook(lambda _p, sp=sp: on_grad_accumulated(sp))
             sp.unsharded_param = up
         self._release()
         self._layout_key = key
+
+    def _split_by_dtype(
+        self, params: list[ShardedParam]
+    ) -> tuple[list[ShardedParam], list[list[ShardedParam]]]:
+        """This group's own parameters and, per other dtype, the frozen ones to gather apart.
+
+        [Note: one buffer per dtype]
+        A packed buffer has one dtype. With ``param_dtype`` set every parameter is cast to it
+        and the unit has one buffer. Otherwise the parameters are split by dtype: the dtype
+        of the trainable ones keeps this group's buffer (and the gradient reduction); each
+        other dtype, which may only hold frozen parameters, gets a child group with its own
+        buffer and all-gather, issued, waited on and freed with this one. Gradients of two
+        dtypes in one unit would need one reduction per dtype: refused.
+        """
+        if self.mp_policy.param_dtype is not None:
+            return params, []
+        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+        for sp in params:
+            by_dtype.setdefault(sp.orig_dtype, []).append(sp)
+        if len(by_dtype) <= 1:
+            return params, []
+        trainable = {sp.orig_dtype for sp in params if sp.requires_grad}
+        if len(trainable) > 1:
+            listing = ", ".join(f"{sp.fqn}: {sp.orig_dtype}" for sp in params if sp.requires_grad)
+            raise ValueError(
+                f"unit {self.name!r} has trainable parameters of several dtypes ({listing}); "
+                f"a unit reduces gradients in one dtype (frozen parameters may differ). Cast "
+                f"the module to one dtype, set MixedPrecisionPolicy(param_dtype=...), or "
+                f"shard the odd parameters in their own fully_shard call"
+            )
+        main = trainable.pop() if trainable else params[0].orig_dtype
+        others = [group for dtype, group in by_dtype.items() if dtype != main]
+        return by_dtype[main], others
+
+    @property
+    def own_params(self) -> list[ShardedParam]:
+        """The parameters this group gathers itself: its buffer's and the extension ones."""
+        return self.layout + (self.extended.params if self.extended is not None else [])
 
     def regions(self) -> list[torch.Tensor]:
         """Per-parameter ``[world, shard_numel]`` views of the unsharded buffer (made once:
@@ -146,7 +201,7 @@ class ParamGroup:
     def _make_regions(self) -> list[torch.Tensor]:
         assert self.unsharded_buf is not None
         out, pos = [], 0
-        for sp in self.params:
+        for sp in self.layout:
             n = self.world * sp.shard_numel
             out.append(self.unsharded_buf[pos : pos + n].view(self.world, sp.shard_numel))
             pos += n
@@ -155,7 +210,9 @@ class ParamGroup:
     @property
     def unsharded_bytes_allocated(self) -> int:
         """Bytes currently held by the unsharded buffer (0 when resharded)."""
-        copies = sum(sp.unsharded_data_bytes for sp in self.params)
+        copies = sum(sp.unsharded_data_bytes for sp in self.layout)
+        copies += sum(child.unsharded_bytes_allocated for child in self.subgroups)
+        copies += self.extended.bytes_allocated if self.extended is not None else 0
         if self.unsharded_buf is None:
             return copies
         return self.unsharded_buf.untyped_storage().nbytes() + copies
@@ -164,8 +221,10 @@ class ParamGroup:
         """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes."""
         if self.unsharded_buf is not None:
             self.unsharded_buf.untyped_storage().resize_(0)
-        for sp in self.params:
+        for sp in self.layout:
             sp.free_unsharded()
+        if self.extended is not None:
+            self.extended.release()
 
     def check_materialised(self) -> None:
         """Raise a clear error if any parameter is still on the meta device."""
@@ -185,7 +244,11 @@ class ParamGroup:
         """Issue the all-gather of this unit's parameters (no-op if unsharded or in flight)."""
         if not self.params or self.state in (ShardedState.UNSHARDED, ShardedState.UNSHARDING):
             return
-        self._gather = start_gather(self)
+        self._gather = start_gather(self) if self.layout else None
+        if self.extended is not None:
+            self.extended.start(self)
+        for child in self.subgroups:
+            child.unshard()
         self._to(ShardedState.UNSHARDING)
 
     def wait_for_unshard(self) -> None:
@@ -194,9 +257,13 @@ class ParamGroup:
             return
         self.unshard()
         pending, self._gather = self._gather, None
-        assert pending is not None
-        finish_gather(self, pending)
-        for sp in self.params:
+        if pending is not None:
+            finish_gather(self, pending)
+        if self.extended is not None:
+            self.extended.finish(self)
+        for child in self.subgroups:
+            child.wait_for_unshard()
+        for sp in self.own_params:
             sp.to_unsharded()
         self._to(ShardedState.UNSHARDED)
 
@@ -204,10 +271,14 @@ class ParamGroup:
     def reshard(self) -> None:
         """Free the unsharded parameters (and any kept copy); register the sharded ones."""
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
-            assert self._gather is not None
-            self._gather.handle.wait()
+            if self._gather is not None:
+                self._gather.handle.wait()
             self._gather = None
+            if self.extended is not None:
+                self.extended.wait_dropped()
         self.post_forward_chunk = None
+        for child in self.subgroups:
+            child.reshard()
         if self.state is not ShardedState.SHARDED:
             self._free_unsharded(ShardedState.SHARDED)
         else:
@@ -215,7 +286,7 @@ class ParamGroup:
 
     def _free_unsharded(self, new: ShardedState) -> None:
         if self.state is ShardedState.UNSHARDED:
-            for sp in self.params:
+            for sp in self.own_params:
                 sp.to_sharded()
         self._release()  # also a gather in pieces never waited on
         self._to(new)
@@ -225,12 +296,16 @@ class ParamGroup:
         if self.state is not ShardedState.UNSHARDED or self.post_forward_group is None:
             self.reshard()
             return
+        for child in self.subgroups:
+            child.post_forward_group = self.post_forward_group
+            child.post_forward_index = self.post_forward_index
+            child.reshard_partial()
         k = dist.get_world_size(self.post_forward_group)
         rows = self.world // k
         lo = self.post_forward_index * rows
         chunk = torch.empty(rows, self.total, dtype=self.compute_dtype(), device=self.device)
         with torch.no_grad():
-            for region, off, sp in zip(self.regions(), self.offsets, self.params):
+            for region, off, sp in zip(self.regions(), self.offsets, self.layout):
                 chunk[:, off : off + sp.shard_numel].copy_(region[lo : lo + rows])
         self.post_forward_chunk = chunk.view(-1)
         self._free_unsharded(ShardedState.SHARDED_POST_FORWARD)

@@ -104,6 +104,13 @@ class FSDPState:
         return self.ctx
 
     # --------------------------------------------------------------------------- forward
+    # [Note: hooks under torch.compile]
+    # Compiling a model that holds units (``torch.compile(model)``) makes dynamo trace module
+    # hooks too; ours resize storages, issue collectives and swap registered parameters,
+    # which a graph cannot hold. Both forward hooks are ``torch.compiler.disable``d: dynamo
+    # breaks the graph at each unit boundary and runs them eagerly (FSDP2's default,
+    # ``skip_fsdp_hooks``, does the same for its own). The backward hooks run eagerly anyway.
+    @torch.compiler.disable
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -125,6 +132,7 @@ class FSDPState:
         emit("forward_start", self.name)
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:

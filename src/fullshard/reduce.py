@@ -124,7 +124,7 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
     reduce_dtype = g.accum_dtype()
     ready: list[tuple[ShardedParam, torch.Tensor]] = []
     with torch.no_grad():
-        for sp in g.params:
+        for sp in g.own_params:
             up = sp.unsharded_param
             grad = up.grad if up is not None else None
             if up is not None:
