@@ -181,9 +181,16 @@ def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
 
     ``"p2p"`` takes ``(sends, recvs)``: per group rank, the tensors to send it and the tensors
     to receive from it (see :func:`_exchange`); it returns the list of their Works.
+    ``"custom"`` takes ``(comm, output, input[, op])`` and calls the user's comm object (torch's
+    ``AllGather`` / ``ReduceScatter`` protocol), which issues the collective itself.
     """
     if kind == "p2p":
         return _exchange(*args, **kwargs)
+    if kind == "custom":  # a user's AllGather / ReduceScatter object (FSDPModule.set_custom_*)
+        comm, output, input, *rest = args
+        if rest:  # reduce-scatter: the op
+            kwargs["op"] = rest[0]
+        return comm(output_tensor=output, input_tensor=input, **kwargs)
     if kind == "all_gather":
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     elif kind == "reduce_scatter":
@@ -326,16 +333,24 @@ def all_gather(
     async_op: bool = True,
     algorithm: str = "auto",
     what: str = "",
+    comm: Any = None,
 ) -> Handle:
     """Gather every rank's ``input`` (1-D, equal sizes) into ``output`` (rank-major).
 
     ``algorithm``: ``"all_gather"`` (the backend's collective), ``"p2p"`` (every rank sends its
     ``input`` to each peer; see [Note: p2p on gloo]) or ``"auto"`` (see :func:`_algorithm`).
+    ``comm``: a custom ``AllGather`` object that runs the collective instead (algorithm
+    ``"custom"``).
     """
     size = _local_or_size("all_gather", output, input, group, output_is_full=True)
     if size == 1:
         return Handle(None)
     assert group is not None
+    if comm is not None:
+        _record("all_gather", output, size, "custom")
+        return _start(
+            "all_gather", "custom", what, size, comm, output, input, group=group, async_op=async_op
+        )
     nbytes = output.numel() * output.element_size()
     algorithm = _algorithm("all_gather", algorithm, group, output.device, nbytes)
     _record("all_gather", output, size, algorithm)
@@ -396,6 +411,7 @@ def reduce_scatter(
     async_op: bool = True,
     algorithm: str = "auto",
     what: str = "",
+    comm: Any = None,
 ) -> Handle:
     """Sum ``input`` (1-D, rank-major chunks) across ranks; this rank's chunk lands in ``output``.
 
@@ -405,12 +421,27 @@ def reduce_scatter(
     (see :func:`_algorithm`). Either way the record's
     kind is ``reduce_scatter`` and its bytes the ZeRO payload (the input buffer);
     ``CollectiveRecord.algorithm`` names the call used. ``input`` must stay untouched until
-    the handle is waited on.
+    the handle is waited on. ``comm``: a custom ``ReduceScatter`` object that runs the
+    collective instead (algorithm ``"custom"``, op ``SUM``).
     """
     size = _local_or_size("reduce_scatter", output, input, group, output_is_full=False)
     if size == 1:
         return Handle(None)
     assert group is not None
+    if comm is not None:
+        _record("reduce_scatter", input, size, "custom")
+        return _start(
+            "reduce_scatter",
+            "custom",
+            what,
+            size,
+            comm,
+            output,
+            input,
+            dist.ReduceOp.SUM,
+            group=group,
+            async_op=async_op,
+        )
     nbytes = input.numel() * input.element_size()
     algorithm = _algorithm("reduce_scatter", algorithm, group, input.device, nbytes)
     _record("reduce_scatter", input, size, algorithm)

@@ -6,8 +6,10 @@ every unit below it. It owns the cross-unit bookkeeping the per-unit hooks
 
 - the forward order (recorded each forward; the previous one drives implicit forward prefetch)
   and the post-forward order (drives implicit backward prefetch, reversed);
-- the reductions in flight (at most one: a unit finishes the previous unit's reduction before
-  issuing its own, so its buffer is freed first) and the end-of-backward callback that
+- the reductions in flight (at most one by default: a unit finishes the previous unit's
+  reduction before issuing its own, so its buffer is freed first; up to the largest
+  ``set_reduce_scatter_max_input_buffers`` of the root's units, oldest finished first) and the
+  end-of-backward callback that
   completes units whose backward never fired (unused parameters, frozen inputs);
 - the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per ``k``);
 - the communication streams (``fullshard.streams``).
@@ -43,6 +45,8 @@ class StepContext:
         self.prev_forward_order: list[FSDPState] = []
         self.post_forward_order: list[FSDPState] = []
         self.pending: list[PendingReduce] = []
+        self.max_pending = 1  # reductions allowed in flight (see update_max_pending)
+        self.update_max_pending()
         self.callback_queued = False
         self._subgroups: dict[int, tuple[dist.ProcessGroup, int]] = {}
 
@@ -94,6 +98,19 @@ class StepContext:
             p.finish()
         self.pending = []
 
+    def update_max_pending(self) -> None:
+        """One cap for the root's units, the largest any asks for (as FSDP2: a unit with a
+        lower cap must not undo a higher one's retention)."""
+        self.max_pending = max(
+            (st.group.overrides.max_input_buffers for st in self.states), default=1
+        )
+
+    def make_room(self) -> None:
+        """Before a unit issues its reduction: finish the oldest ones until fewer than
+        ``max_pending`` are in flight."""
+        while len(self.pending) >= self.max_pending:
+            self.pending.pop(0).finish()
+
     def add_pending(self, pending: PendingReduce | None) -> None:
         if pending is not None:
             self.pending.append(pending)
@@ -107,6 +124,7 @@ class StepContext:
         emit("backward_end", self.root.name)
         for st in self.states:
             if st.group.params and st.training_state is not TrainingState.POST_BACKWARD:
+                self.make_room()
                 self.add_pending(st.group.reduce_grads())
         if self.root.is_last_backward:
             self.finish_pending()

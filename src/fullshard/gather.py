@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .events import emit
+from .overrides import allocate
 from .quant import dequantize_int8, quantize_int8
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def start_gather(g: ParamGroup) -> PendingGather:
     _offload_event(g)
     in_pieces = (
         g.transport.gathers_in_pieces
+        and g.overrides.all_gather is None  # a custom all-gather takes packed buffers
         and g.post_forward_chunk is None
         and g.wire_gather_dtype() == g.compute_dtype()
     )
@@ -86,26 +88,25 @@ def _pack_shards(g: ParamGroup, inp: torch.Tensor) -> torch.Tensor:
 def _gather_packed(g: ParamGroup) -> PendingGather:
     what = f"unit {g.name!r}"
     wire = g.wire_gather_dtype()
+    comm = g.overrides.all_gather  # custom AllGather: allocates the output, runs the gather
     if g.post_forward_chunk is not None:  # int k: gather the kept copy within the subgroup
         inp, g.post_forward_chunk = g.post_forward_chunk, None
         group = g.post_forward_group
         assert group is not None
-        out = torch.empty(
-            inp.numel() * dist.get_world_size(group), dtype=inp.dtype, device=g.device
-        )
+        out = allocate(comm, inp.numel() * dist.get_world_size(group), inp.dtype, g.device)
     elif wire == torch.int8:  # quantise a packed fp32 copy (see fullshard.quant)
         group = g.info.shard_group
         full = torch.empty(g.total, dtype=torch.float32, device=g.device)
         inp = quantize_int8(_pack_shards(g, full), g.comm_policy.block_size)
         del full
-        out = torch.empty(inp.numel() * g.world, dtype=inp.dtype, device=g.device)
+        out = allocate(comm, inp.numel() * g.world, inp.dtype, g.device)
     else:  # in place: this rank's slot of the output is the input (no extra copy)
         group = g.info.shard_group
-        out = torch.empty(g.world * g.total, dtype=wire, device=g.device)
+        out = allocate(comm, g.world * g.total, wire, g.device)
         with g.streams.use("gather"):  # offload: the H2D copy-in runs on the side stream
             inp = _pack_shards(g, out.view(g.world, g.total)[g.info.shard_rank])
     with g.streams.use("gather"):
-        handle = C.all_gather(out, inp, group, what=what)
+        handle = C.all_gather(out, inp, group, what=what, comm=comm)
     return PendingGather(handle, out, inp)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
 from .mesh import MeshInfo
+from .overrides import CommOverrides
 from .param import ShardedParam
 from .policies import CommPolicy, MixedPrecisionPolicy
 from .reduce import PartialReduce, PendingReduce, collect_grads, start_reduce
@@ -71,6 +72,7 @@ class ParamGroup:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.unshard_in_backward = True  # False: backward needs no parameter (e.g. embedding)
+        self.overrides = CommOverrides()  # custom comms, hook, reduce knobs (fullshard.overrides)
         self.partial = PartialReduce()  # HSDP accumulation without the all-reduce
         # Post-forward partial reshard (reshard_after_forward=int): kept chunk and its group.
         self.post_forward_group: dist.ProcessGroup | None = None
@@ -105,6 +107,12 @@ class ParamGroup:
     def wire_gather_dtype(self) -> torch.dtype:
         return self.comm_policy.all_gather_dtype or self.compute_dtype()
 
+    @property
+    def reduce_group(self) -> dist.ProcessGroup:
+        """Where gradients are reduce-scattered: the shard group, or the unit's own group
+        (``set_separate_reduce_scatter_group``)."""
+        return self.overrides.reduce_scatter_group or self.info.shard_group
+
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
         key = [(id(sp), sp.orig_dtype) for sp in self.params]  # a cast rebuilds it
@@ -130,6 +138,7 @@ class ParamGroup:
         ]
         for child in self.subgroups:
             child.streams = self.streams
+            child.overrides = self.overrides
             child.init_layout(on_grad_accumulated)
         self.offsets = []
         off = 0
@@ -312,8 +321,13 @@ class ParamGroup:
 
     # ---------------------------------------------------------------------------- backward
     def on_grad_accumulated(self) -> bool:
-        """Count a parameter whose gradient is ready; True when the whole unit is ready."""
+        """Count a parameter whose gradient is ready; True when the whole unit is ready.
+
+        Never True with ``reduce_scatter_unused_params``: see [Note: unused parameters].
+        """
         self._grads_seen += 1
+        if self.overrides.reduce_scatter_unused_params:
+            return False
         return self._grads_seen == sum(1 for sp in self.params if sp.requires_grad)
 
     def reduce_grads(self) -> PendingReduce | None:

@@ -188,8 +188,8 @@ class FSDPState:
         ctx = self._context()
         # Finish the previous unit's reduction first (it has had this unit's whole backward to
         # complete in the background), so its buffer is freed before this one is allocated:
-        # at most one reduction in flight.
-        ctx.finish_pending()
+        # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
+        ctx.make_room()
         ctx.add_pending(self.group.reduce_grads())
         self.training_state = TrainingState.POST_BACKWARD
 

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState, states_under
 from .init import check_reshard_after_forward, lazy_init, resolve_reshard
+from .overrides import AllGatherComm, ReduceScatterComm, separate_reduce_scatter_groups
 from .streams import CommStreams
 
 __all__ = [
@@ -71,6 +72,14 @@ def _not_yet(method: str, value: object, default: object) -> None:
         raise NotImplementedError(
             f"{method}({value!r}) is not implemented by fullshard yet (only {default!r}, "
             f"fullshard's fixed behaviour, is accepted); leave it unset"
+        )
+
+
+def _check_comm(comm: object, method: str) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{method} expects an object with allocate(size, *, dtype, device) and __call__ "
+            f"(torch's AllGather / ReduceScatter protocol), got {type(comm).__name__}"
         )
 
 
@@ -226,27 +235,65 @@ class FSDPModule(_TorchFSDPModule):
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Whether parameters without a gradient join the reduction with zeros (FSDP2: for
-        ranks that use different parameters). fullshard leaves them out (``False``)."""
-        _not_yet("set_reduce_scatter_unused_params", reduce_scatter_unused_params, False)
+        """Whether trainable parameters without a gradient join the reduction with zeros, so
+        every rank issues the same reductions when ranks use different parameters (mixture of
+        experts, conditional branches); like DDP's ``find_unused_parameters``.
+
+        fullshard then reduces such units at the end of backward, in module order on every
+        rank, so their reductions do not overlap backward compute (see
+        [Note: unused parameters] in ``fullshard.reduce``).
+        """
+        for st in self._states(recurse):
+            st.group.overrides.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """How many gradient reductions may be in flight; fullshard keeps one (``1``)."""
+        """How many gradient reductions may be in flight at once (FSDP2's reduce-scatter input
+        buffers); ``1``, the default, finishes the previous unit's reduction before a unit
+        issues its own.
+
+        More keeps more reductions (and their buffers) alive, so a slow reduction does not stall
+        the next unit's post-backward, at the cost of peak memory. The root's units share one
+        cap, the largest any of them was given (as FSDP2).
+        """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
             )
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        _not_yet("set_reduce_scatter_max_input_buffers", max_input_buffers, 1)
+        contexts = []
+        for st in self._states(recurse):
+            st.group.overrides.max_input_buffers = max_input_buffers
+            if st.ctx is not None and st.ctx not in contexts:
+                contexts.append(st.ctx)
+        for ctx in contexts:
+            ctx.update_max_pending()
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """Run reductions on their own process group; fullshard shares one (``False``)."""
-        _not_yet("set_separate_reduce_scatter_group", enable, False)
+        """Give gradient reduce-scatters a process group of their own (``True``), separate
+        from the all-gathers' shard group, so that the two can progress concurrently on
+        backends that run one collective at a time per communicator; ``False`` goes back to
+        the shared group.
+
+        One group is created per distinct set of shard ranks among the units this call
+        reaches (typically one), reused by later calls; only its members take part in
+        creating it, but every member must make the call, like any collective setup.
+        """
+        states = self._states(recurse)
+        if not enable:
+            for st in states:
+                st.group.overrides.reduce_scatter_group = None
+            return
+        groups = separate_reduce_scatter_groups(
+            [st.group.info.shard_group for st in states],
+            [st.group.overrides.reduce_scatter_group for st in states],
+        )
+        for st, group in zip(states, groups):
+            st.group.overrides.reduce_scatter_group = group
 
     def set_all_reduce_hook(
         self,
@@ -254,11 +301,25 @@ class FSDPModule(_TorchFSDPModule):
         *,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """A hook run on each reduction's output (FSDP2); not implemented by fullshard yet."""
-        raise NotImplementedError(
-            "set_all_reduce_hook is not implemented by fullshard yet: reduce the sharded "
-            "gradients yourself after backward (param.grad is a DTensor shard)"
-        )
+        """Call ``hook(reduce_output)`` on this unit's reduced gradients (not recursive).
+
+        ``reduce_output`` is the 1-D reduce-scatter output (this rank's gradient shards back
+        to back, padded), after the all-reduce across replicas with HSDP; the hook may modify
+        it in place (e.g. an all-reduce over another group, a scaling) before it becomes the
+        parameters' ``.grad``. See [Note: the all-reduce hook] in ``fullshard.reduce``.
+        ``stream`` (CUDA, not with HSDP, as FSDP2): the stream to run the hook on; ignored on
+        the CPU.
+        """
+        state = _state(cast(nn.Module, self))
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        if stream is not None and state.group.info.replicate_size > 1:
+            raise ValueError(
+                f"set_all_reduce_hook(stream=...) on unit {state.name!r}: stream cannot be set "
+                f"when using HSDP (the hook follows the replicas' all-reduce)"
+            )
+        state.group.overrides.all_reduce_hook = hook
+        state.group.overrides.hook_stream = stream
 
     # ------------------------------------------------------------- prefetch / unshard
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]
@@ -319,19 +380,23 @@ class FSDPModule(_TorchFSDPModule):
         handles.append(module.register_forward_pre_hook(wait_once, prepend=True))
 
     # ----------------------------------------------------------- custom collectives
-    def set_custom_all_gather(self, comm: Any) -> None:
-        """FSDP2's custom all-gather (``AllGather``); not implemented by fullshard yet."""
-        raise NotImplementedError(
-            "set_custom_all_gather is not implemented by fullshard yet: fullshard picks its own "
-            "gather algorithm per backend; fullshard.CommPolicy sets the wire dtype"
-        )
+    def set_custom_all_gather(self, comm: AllGatherComm) -> None:
+        """Run this unit's all-gathers through ``comm`` (torch's ``AllGather`` protocol; not
+        recursive): the gathered buffer comes from ``comm.allocate((numel,), dtype=,
+        device=)`` and the collective is ``comm(output_tensor=, input_tensor=, group=,
+        async_op=)``, which returns a Work (or ``None`` once done). The unit then gathers
+        packed (one buffer, see ``fullshard.transport``)."""
+        _check_comm(comm, "set_custom_all_gather")
+        _state(cast(nn.Module, self)).group.overrides.all_gather = comm
 
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """FSDP2's custom reduce-scatter (``ReduceScatter``); not implemented by fullshard yet."""
-        raise NotImplementedError(
-            "set_custom_reduce_scatter is not implemented by fullshard yet: fullshard picks its "
-            "own reduction algorithm per backend; fullshard.CommPolicy sets the wire dtype"
-        )
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
+        """Run this unit's gradient reduce-scatters through ``comm`` (torch's
+        ``ReduceScatter`` protocol; not recursive): input and output buffers come from
+        ``comm.allocate`` and the collective is ``comm(output_tensor=, input_tensor=, group=,
+        op=ReduceOp.SUM, async_op=)`` (fullshard divides separately). The unit then reduces
+        packed."""
+        _check_comm(comm, "set_custom_reduce_scatter")
+        _state(cast(nn.Module, self)).group.overrides.reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate NCCL staging buffers from the process group's allocator (NCCL only)."""

@@ -13,6 +13,23 @@ On a 2-D (replicate, shard) mesh the reduce-scatter over the shard group is foll
 all-reduce of the output over the replicate group. ``set_requires_all_reduce(False)`` keeps
 the reduce-scatter outputs as a partial sum instead (``PartialReduce``); the first reduction
 with the all-reduce on adds it back.
+
+[Note: unused parameters]
+A unit reduce-scatters the gradients its parameters received, and its post-backward fires
+once every trainable parameter has one. When ranks use different parameters (mixture of
+experts, multi-modal branches) they would issue different reductions at different times.
+``set_reduce_scatter_unused_params(True)`` (FSDP2's meaning) makes a parameter without a
+gradient contribute zeros, so every rank reduces the same parameters; and because the
+post-backward trigger counts gradients, which now differ per rank, such a unit's reduction
+always waits for the end-of-backward callback, which completes units in module order on
+every rank. The cost: those units' reductions do not overlap backward compute.
+
+[Note: the all-reduce hook]
+``set_all_reduce_hook`` (FSDP2) runs on the unit's reduced output (1-D, padded: this rank's
+gradient shards back to back), after the HSDP all-reduce, before the shards are handed out. As
+in FSDP2 on fp32/bf16 the output is already divided (a mean) when the hook sees it; with fp16's
+split division only the pre-division is done and the rest follows the hook. A micro-step that
+keeps a partial sum (``set_requires_all_reduce(False)``) runs no hook.
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .events import emit
+from .overrides import CommOverrides, allocate, run_hook
 from .param import ShardedParam
 
 if TYPE_CHECKING:
@@ -83,6 +101,12 @@ class PendingReduce:
     # sum in ``partial`` (shared with the group) instead of producing gradients.
     partial: PartialReduce | None = None
     allreduce_issued: bool = False
+    overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
+
+    @property
+    def _hook_sees_mean(self) -> bool:
+        """Divide before the hook unless the division is split around the reduction (fp16)."""
+        return self.output.dtype != torch.float16
 
     def advance(self) -> None:
         """Once the reduce-scatter is done, start the all-reduce across replicas (HSDP)."""
@@ -104,8 +128,14 @@ class PendingReduce:
         if self.replicate_group is None and self.partial is not None:
             self.partial.add(self.output, self.params)
             return
-        if self.divide_after != 1.0:
+        hook = self.overrides is not None and self.overrides.all_reduce_hook is not None
+        if self.divide_after != 1.0 and (not hook or self._hook_sees_mean):
             self.output.div_(self.divide_after)
+        if hook:  # see [Note: the all-reduce hook]
+            assert self.overrides is not None
+            run_hook(self.overrides, self.output)
+            if self.divide_after != 1.0 and not self._hook_sees_mean:
+                self.output.div_(self.divide_after)
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
             if self.offload:
@@ -122,6 +152,8 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
     unsharded (in the reduce dtype) and nothing is returned.
     """
     reduce_dtype = g.accum_dtype()
+    # see [Note: unused parameters]
+    unused_as_zeros = g.overrides.reduce_scatter_unused_params and g.requires_gradient_sync
     ready: list[tuple[ShardedParam, torch.Tensor]] = []
     with torch.no_grad():
         for sp in g.own_params:
@@ -139,6 +171,8 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
                     grad = grad.to(reduce_dtype)
             elif sp.unsharded_accum_grad is not None:
                 grad = sp.unsharded_accum_grad
+            elif unused_as_zeros and sp.requires_grad and up is not None:
+                grad = torch.zeros(sp.data_shape, dtype=up.dtype, device=g.device)
             if grad is None:
                 continue
             if g.requires_gradient_sync:
@@ -168,6 +202,7 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     hsdp = g.info.replicate_size > 1
     in_pieces = (
         g.transport.reduces_in_pieces
+        and g.overrides.reduce_scatter is None  # a custom reduce-scatter takes packed buffers
         and pre == 1.0
         and all(grad.dtype == dtype and grad.is_contiguous() for _, grad in ready)
     )
@@ -195,6 +230,7 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         offload=g.offloaded,
         pin=g.pin_memory,
         partial=g.partial if hsdp else None,
+        overrides=g.overrides,
     )
 
 
@@ -214,7 +250,8 @@ def _reduce_packed(
     (peak: the buffer + one gradient); only the collective runs on the reduce stream.
     """
     world = g.world
-    send = torch.empty(world, total, dtype=dtype, device=g.device)
+    comm = g.overrides.reduce_scatter  # custom ReduceScatter: allocates, runs the collective
+    send = allocate(comm, world * total, dtype, g.device).view(world, total)
     for i, (sp, o) in enumerate(zip(params, offsets)):
         grad = grads[i]
         assert grad is not None
@@ -224,9 +261,9 @@ def _reduce_packed(
     if pre != 1.0:
         send.div_(pre)
     # One rank: the packed buffer already is the result (no copy, no second buffer).
-    out = send.view(-1) if world == 1 else torch.empty(total, dtype=dtype, device=g.device)
+    out = send.view(-1) if world == 1 else allocate(comm, total, dtype, g.device)
     with g.streams.use("reduce"):
-        handle = C.reduce_scatter(out, send.view(-1), g.info.shard_group, what=what)
+        handle = C.reduce_scatter(out, send.view(-1), g.reduce_group, what=what, comm=comm)
     return handle, out, send
 
 
@@ -250,7 +287,5 @@ def _reduce_in_pieces(
     outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
     nbytes = g.world * total * out.element_size()
     with g.streams.use("reduce"):
-        handle = C.reduce_scatter_pieces(
-            pieces, outputs, g.info.shard_group, nbytes=nbytes, what=what
-        )
+        handle = C.reduce_scatter_pieces(pieces, outputs, g.reduce_group, nbytes=nbytes, what=what)
     return handle, out, flats

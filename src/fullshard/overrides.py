@@ -1,0 +1,139 @@
+"""FSDP2's per-unit communication overrides: custom collectives, the all-reduce hook and the
+reduce-scatter knobs beyond the defaults (the ``set_*`` methods of ``FSDPModule``).
+
+One :class:`CommOverrides` per unit (``ParamGroup.overrides``, shared with the unit's per-dtype
+subgroups) holds them; ``fullshard.gather`` and ``fullshard.reduce`` read it.
+
+- ``all_gather`` / ``reduce_scatter``: objects following torch's ``AllGather`` /
+  ``ReduceScatter`` protocol (``allocate(size, dtype=, device=)`` and ``__call__``). A unit
+  with one allocates that direction's packed buffers through ``allocate`` and runs the
+  collective through it, so that direction always uses the packed transport.
+- ``all_reduce_hook``: called on the unit's reduced gradient shards (the flat, padded
+  reduce-scatter output; after the all-reduce across replicas with HSDP), as FSDP2 does.
+- ``reduce_scatter_unused_params``: see [Note: unused parameters] in ``fullshard.reduce``.
+- ``max_input_buffers``: reductions allowed in flight at once (the root's units share one cap,
+  the largest any of them asks for; ``StepContext.make_room``).
+- ``reduce_scatter_group``: a process group of its own for the unit's reduce-scatters
+  (:func:`separate_reduce_scatter_groups`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AllGatherComm",
+    "CommOverrides",
+    "ReduceScatterComm",
+    "allocate",
+    "run_hook",
+    "separate_reduce_scatter_groups",
+]
+
+
+class _Allocates(Protocol):
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
+
+
+class AllGatherComm(_Allocates, Protocol):
+    """torch's ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` protocol."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any: ...
+
+
+class ReduceScatterComm(_Allocates, Protocol):
+    """torch's ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter`` protocol."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any: ...
+
+
+@dataclass
+class CommOverrides:
+    """What a unit does differently from the defaults (see the module docstring)."""
+
+    all_gather: AllGatherComm | None = None
+    reduce_scatter: ReduceScatterComm | None = None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    hook_stream: Any = None  # a CUDA stream to run the hook on (ignored on the CPU)
+    reduce_scatter_unused_params: bool = False
+    max_input_buffers: int = 1
+    reduce_scatter_group: dist.ProcessGroup | None = None
+
+
+def allocate(
+    comm: _Allocates | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A 1-D communication buffer: from ``comm.allocate`` when a custom comm is set."""
+    if comm is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = comm.allocate((numel,), dtype=dtype, device=device)
+    if buf.numel() != numel or buf.dtype != dtype:
+        raise ValueError(
+            f"{type(comm).__name__}.allocate(({numel},), dtype={dtype}) returned a "
+            f"{buf.dtype} tensor of {buf.numel()} elements; it must return exactly that"
+        )
+    return buf.view(-1)
+
+
+def run_hook(overrides: CommOverrides, output: torch.Tensor) -> None:
+    """Run the all-reduce hook on ``output`` (on its stream, if one was given, on CUDA)."""
+    hook = overrides.all_reduce_hook
+    if hook is None:
+        return
+    stream = overrides.hook_stream
+    if stream is None or output.device.type != "cuda":
+        hook(output)
+        return
+    current = torch.cuda.current_stream(output.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(output)
+    current.wait_stream(stream)  # the gradients are handed out on the compute stream
+
+
+def separate_reduce_scatter_groups(
+    shard_groups: list[dist.ProcessGroup],
+    existing: list[dist.ProcessGroup | None],
+) -> list[dist.ProcessGroup]:
+    """One new process group per distinct set of shard ranks (``shard_groups[i]``'s ranks),
+    reusing any group in ``existing`` already made for the same ranks.
+
+    Only the members of each new group take part in creating it
+    (``use_local_synchronization``), so HSDP's shard groups are created independently; every
+    member must make the call, like any collective setup.
+    """
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for group in existing:
+        if group is not None:
+            made.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+    out = []
+    for shard in shard_groups:
+        ranks = tuple(dist.get_process_group_ranks(shard))
+        if ranks not in made:
+            new = dist.new_group(
+                list(ranks), use_local_synchronization=True, group_desc="fullshard_reduce_scatter"
+            )
+            assert new is not None  # this rank is a member
+            made[ranks] = new
+        out.append(made[ranks])
+    return out
