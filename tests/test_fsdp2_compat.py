@@ -322,9 +322,7 @@ class _CountingAllGather(_TorchAllGather):
     ) -> Any:
         self.calls += 1
         self.nbytes += output_tensor.numel() * output_tensor.element_size()
-        return dist.all_gather_into_tensor(
-            output_tensor, input_tensor, group=group, async_op=async_op
-        )
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CountingReduceScatter(_TorchReduceScatter):
@@ -345,8 +343,8 @@ class _CountingReduceScatter(_TorchReduceScatter):
     ) -> Any:
         self.calls += 1
         self.nbytes += input_tensor.numel() * input_tensor.element_size()
-        return dist.reduce_scatter_tensor(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
         )
 
 

@@ -222,43 +222,100 @@ def dcp_load(name: str, folder: str, saved_by: str) -> dict[str, list[float]]:
 
 
 # ---------------------------------------------------------------------------- pipelining
+PP_MICRO, PP_PER_REPLICA = 4, 8  # micro-batches per step; rows per data-parallel replica
+
+
+def _pp_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16),  # stage 0
+        nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5),  # stage 1
+    )  # fmt: skip
+
+
+def _pp_stage(model: nn.Sequential, stage: int) -> nn.Sequential:
+    return model[:3] if stage == 0 else model[3:]
+
+
+def _pp_batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(70 + step)
+    x, y = (
+        torch.randn(2 * PP_PER_REPLICA, 12, generator=g),
+        torch.randn(2 * PP_PER_REPLICA, 5, generator=g),
+    )
+    rows = slice(replica * PP_PER_REPLICA, (replica + 1) * PP_PER_REPLICA)
+    return x[rows], y[rows]
+
+
 def pipelining_client(name: str) -> dict[str, Any]:
-    """torch.distributed.pipelining: a PipelineStage over a fully_shard root, driven by
-    ScheduleGPipe with 3 micro-batches. fullshard shards over every rank (a sub-mesh per stage
-    is not supported yet), so each rank runs a one-stage pipeline on its own 1-rank group and
-    the stage's module is sharded over both ranks: the schedule's FSDP2 path (no gradient sync
-    during micro-batches, one reduction at the end through ``fully_shard.state``) is what runs.
-    """
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    """torch.distributed.pipelining on 4 ranks: 2 pipeline stages x 2 data-parallel replicas
+    (mesh ``(pp, dp)``). Each stage's module is a fully_shard root over its ``dp`` sub-mesh
+    with one inner unit; Schedule1F1B runs 4 micro-batches per step, so the schedule's FSDP2
+    path runs (no gradient sync for the early micro-batches, the reduction at the end through
+    ``fully_shard.state``). Returns the global loss per step (last stage) and the stage's
+    full weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     import fullshard
 
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage_index, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     with engine(name):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 20), nn.Linear(20, 5))
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model[0])
-        fully_shard(model[2])
-        fully_shard(model)
-        check_units(model, name)
-        solo, _ = dist.new_subgroups(group_size=1)
-        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=solo)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        schedule = ScheduleGPipe(stage, n_microbatches=3, loss_fn=nn.functional.mse_loss)
-        g = torch.Generator().manual_seed(7 + dist.get_rank())
+        module = _pp_stage(_pp_model(), stage_index)
+        inner = module[0] if stage_index == 0 else module[1]
+        fully_shard(inner, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+        check_units(module, name)
+        stage = PipelineStage(
+            module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group()
+        )
+        schedule = Schedule1F1B(stage, n_microbatches=PP_MICRO, loss_fn=nn.functional.mse_loss)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
         losses, reductions = [], []
-        for _ in range(3):
-            x, y = torch.randn(6, 12, generator=g), torch.randn(6, 5, generator=g)
+        for step in range(3):
+            x, y = _pp_batch(step, replica)
             mb_losses: list[torch.Tensor] = []
             with fullshard.count_collectives() as stats:
-                schedule.step(x, target=y, losses=mb_losses)
+                if stage_index == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y, losses=mb_losses)
             reductions.append(stats.calls("reduce_scatter"))
             opt.step()
             opt.zero_grad()
-            losses.append(global_mean(torch.stack(mb_losses).mean()))
-        weights = [p.full_tensor() for p in model.parameters()]
-    return {"losses": losses, "reductions": reductions, "weights": weights}
+            if stage_index == 1:
+                loss = torch.stack(mb_losses).mean().detach()
+                dist.all_reduce(loss, group=mesh["dp"].get_group())
+                losses.append(loss.item() / 2)
+        weights = [p.full_tensor() for p in module.parameters()]
+    return {"losses": losses, "reductions": reductions, "weights": weights, "stage": stage_index}
+
+
+def pipelining_reference() -> dict[str, Any]:
+    """The same 3 steps on one process: the unsharded model, every replica's micro-batches,
+    loss = the mean over replicas of the mean over micro-batches (what 1F1B + FSDP compute)."""
+    model = _pp_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        per_replica = []
+        for replica in range(2):
+            x, y = _pp_batch(step, replica)
+            mbs = [
+                nn.functional.mse_loss(model(a), b)
+                for a, b in zip(x.chunk(PP_MICRO), y.chunk(PP_MICRO))
+            ]
+            per_replica.append(torch.stack(mbs).mean())
+        loss = torch.stack(per_replica).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = {s: [p.detach() for p in _pp_stage(model, s).parameters()] for s in (0, 1)}
+    return {"losses": losses, "weights": weights}
 
 
 # -------------------------------------------------------------------------------- Fabric
@@ -396,10 +453,16 @@ def two_ranks(folder: str) -> dict[str, Any]:
         out[name] = {
             "transformers": transformers_client(name, folder),
             "dcp": dcp_save(name, folder),
-            "pipelining": pipelining_client(name),
             "fabric": fabric_client(name, folder),
             "accelerate": accelerate_client(name, folder),
         }
+    return out
+
+
+def four_ranks() -> dict[str, Any]:
+    """Pipelining: 2 stages x 2 data-parallel ranks, under both engines, and the reference."""
+    out: dict[str, Any] = {name: pipelining_client(name) for name in ("torch", "fullshard")}
+    out["reference"] = pipelining_reference()
     return out
 
 

@@ -1,15 +1,15 @@
 """Frameworks that drive torch FSDP2 get fullshard through ``fullshard.patch_torch_fsdp()``.
 
 Each client script (``clients.py``) runs under torch FSDP2 and under fullshard in the same
-spawn; fp32 losses must agree within 1e-5. Two spawns in all: 2 ranks for every client, then
-3 ranks to load the DCP checkpoints saved on 2.
+spawn; fp32 losses must agree within 1e-5. Three spawns in all: 2 ranks for every client but
+pipelining, 3 ranks to load the DCP checkpoints saved on 2, 4 ranks for pipelining.
 
 - Accelerate's FSDP2 plugin: Accelerate only selects FSDP on accelerators, so on CPU the
   Accelerator's distributed type is set to FSDP by hand; prepare / save_state / load_state
   are Accelerate's own FSDP2 code.
 - Lightning Fabric's ModelParallelStrategy runs as is (it adopts the spawned process group).
-- torch pipelining: a one-stage pipeline per rank over a module sharded on both ranks
-  (fullshard does not shard over a sub-mesh yet, so real multi-stage PP x FSDP is not covered).
+- torch pipelining: 2 stages x 2 data-parallel ranks (4 ranks, Schedule1F1B), each stage's
+  module sharded over its data-parallel sub-mesh; also checked against a single-process run.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = str(tmp_path_factory.mktemp("clients"))
     two = run_distributed(clients.two_ranks, 2, folder, timeout=600, env=ENV)
     three = run_distributed(clients.three_ranks, 3, folder, timeout=600, env=ENV)
-    return {"two": two, "three": three}
+    four = run_distributed(clients.four_ranks, 4, timeout=600, env=ENV)
+    return {"two": two, "three": three, "four": four}
 
 
 def _both(runs: dict[str, Any], client: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -68,15 +69,25 @@ def test_dcp_saved_on_2_loaded_on_3(runs: dict[str, Any]) -> None:
                 assert close(r[engine][kind], expected), (engine, kind, r[engine][kind], expected)
 
 
-def test_pipelining_schedule(runs: dict[str, Any]) -> None:
+def test_pipelining_two_stages_two_replicas(runs: dict[str, Any]) -> None:
     import torch
 
-    for torch_run, ours in _both(runs, "pipelining"):
-        assert close(ours["losses"], torch_run["losses"])
-        for a, b in zip(ours["weights"], torch_run["weights"]):
+    for r in runs["four"]:
+        torch_run, ours, ref = r["torch"], r["fullshard"], r["reference"]
+        stage = ours["stage"]
+        assert torch_run["stage"] == stage
+        if stage == 1:  # the last stage reports the losses
+            assert close(ours["losses"], torch_run["losses"]), (ours["losses"], torch_run)
+            assert close(ours["losses"], ref["losses"]), (ours["losses"], ref["losses"])
+        else:
+            assert ours["losses"] == torch_run["losses"] == []
+        for a, b, c in zip(
+            ours["weights"], torch_run["weights"], ref["weights"][stage], strict=True
+        ):
             torch.testing.assert_close(a, b, rtol=0, atol=TOL)
-        # 3 micro-batches, 3 units: gradients reduced once per unit at the end of the step
-        assert ours["reductions"] == [3, 3, 3]
+            torch.testing.assert_close(a, c, rtol=0, atol=TOL)
+        # 4 micro-batches, 2 units per stage: gradients reduced once per unit per step
+        assert ours["reductions"] == [2, 2, 2]
 
 
 def test_fabric_model_parallel(runs: dict[str, Any]) -> None:
