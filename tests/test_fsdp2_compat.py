@@ -409,6 +409,15 @@ def _all_reduce_hooks() -> dict[str, Any]:
         if name == "fullshard":
             with pytest.raises(ValueError, match="HSDP"):
                 model.set_all_reduce_hook(lambda t: None, stream=object())  # type: ignore[arg-type]
+        # force sum: the hook sees the sum, the division follows (1-D)
+        model = _model(shard)
+        model.set_force_sum_reduction_for_comms(True)
+        summed: list[torch.Tensor] = []
+        model.set_all_reduce_hook(lambda t, summed=summed: summed.append(t.clone()))
+        model(_data(0)).square().mean().backward()
+        head = model[3]
+        local = torch.cat([head.weight.grad.to_local().flatten(), head.bias.grad.to_local()])
+        out[name, "sum"] = (summed, [p.grad.full_tensor() for p in model.parameters()], local)
     model = _model()
     model(_data(0)).square().mean().backward()
     out["default"] = [p.grad.full_tensor() for p in model.parameters()]
@@ -591,6 +600,13 @@ def _check_overrides(r: dict[str, Any]) -> None:
     (torch_seen,), _ = hooks["torch", "hsdp"]
     torch.testing.assert_close(seen, grads, rtol=0, atol=0)  # the hook saw the final mean
     torch.testing.assert_close(seen, torch_seen, rtol=0, atol=1e-7)
+    (summed,), grads, local = hooks["fullshard", "sum"]
+    (torch_summed,), torch_grads, _ = hooks["torch", "sum"]
+    torch.testing.assert_close(summed, torch_summed, rtol=0, atol=1e-7)
+    torch.testing.assert_close(summed[: local.numel()], 2 * local)  # the sum of 2 ranks' means
+    for ours, theirs, default in zip(grads, torch_grads, hooks["default"]):
+        torch.testing.assert_close(ours, default, rtol=0, atol=1e-7)  # still the mean
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
 
     unused = r["unused"]
     _same_run(unused["fullshard"], unused["reference"], atol=1e-6)

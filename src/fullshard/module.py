@@ -228,7 +228,11 @@ class FSDPModule(_TorchFSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Sum gradients across ranks without any division."""
+        """Use only sum reductions in the collectives, dividing separately (FSDP2's meaning:
+        gradients are still divided by the world size or the divide factor).
+
+        fullshard's collectives always sum and divide separately, so this changes only what
+        an all-reduce hook sees: the sum, with the division after the hook."""
         for st in self._states(True):
             st.group.force_sum_reduction = enable
 

@@ -29,7 +29,10 @@ every rank. The cost: those units' reductions do not overlap backward compute.
 gradient shards back to back), after the HSDP all-reduce, before the shards are handed out. As
 in FSDP2 on fp32/bf16 the output is already divided (a mean) when the hook sees it; with fp16's
 split division only the pre-division is done and the rest follows the hook. A micro-step that
-keeps a partial sum (``set_requires_all_reduce(False)``) runs no hook.
+keeps a partial sum (``set_requires_all_reduce(False)``) runs no hook. With
+``set_force_sum_reduction_for_comms(True)`` the hook sees the sum and the division follows it,
+as in FSDP2 (fullshard's collectives are always sums with a separate division, so that knob
+changes nothing else).
 """
 
 from __future__ import annotations
@@ -102,11 +105,13 @@ class PendingReduce:
     partial: PartialReduce | None = None
     allreduce_issued: bool = False
     overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
+    force_sum: bool = False  # set_force_sum_reduction_for_comms: the hook sees sums
 
     @property
     def _hook_sees_mean(self) -> bool:
-        """Divide before the hook unless the division is split around the reduction (fp16)."""
-        return self.output.dtype != torch.float16
+        """Divide before the hook unless the division is split around the reduction (fp16)
+        or sums were asked for (see [Note: the all-reduce hook])."""
+        return self.output.dtype != torch.float16 and not self.force_sum
 
     def advance(self) -> None:
         """Once the reduce-scatter is done, start the all-reduce across replicas (HSDP)."""
@@ -195,8 +200,6 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     factor = g.gradient_divide_factor
     if factor is None:
         factor = float(g.world * g.info.replicate_size)
-    if g.force_sum_reduction:
-        factor = 1.0
     # fp16 sums overflow easily: divide by sqrt(factor) before and after the reduction.
     pre = math.sqrt(factor) if dtype == torch.float16 else 1.0
     hsdp = g.info.replicate_size > 1
@@ -231,6 +234,7 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         pin=g.pin_memory,
         partial=g.partial if hsdp else None,
         overrides=g.overrides,
+        force_sum=g.force_sum_reduction,
     )
 
 
