@@ -8,9 +8,9 @@ every unit below it. It owns the cross-unit bookkeeping the per-unit hooks
   and the post-forward order (drives implicit backward prefetch, reversed);
 - the reductions in flight (at most one by default: a unit finishes the previous unit's
   reduction before issuing its own, so its buffer is freed first; up to the largest
-  ``set_reduce_scatter_max_input_buffers`` of the root's units, oldest finished first) and the
-  end-of-backward callback that
-  completes units whose backward never fired (unused parameters, frozen inputs);
+  ``set_reduce_scatter_max_input_buffers`` of the root's units, oldest finished first) and
+  the end-of-backward callback that completes units whose backward never fired (unused
+  parameters, frozen inputs);
 - the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per ``k``);
 - the communication streams (``fullshard.streams``).
 """
