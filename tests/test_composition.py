@@ -91,9 +91,9 @@ def _compare(name, losses, ref_losses, state, ref_state, out):
     out[name] = (loss_err, w_err)
 
 
-def _reference(make, steps, dtype=torch.float32):
+def _reference(make, steps, dtype=torch.float32, clip=torch.nn.utils.clip_grad_norm_):
     model = make().to(dtype)
-    losses = _train(model, steps, 0, 1, clip=torch.nn.utils.clip_grad_norm_, dtype=dtype)
+    losses = _train(model, steps, 0, 1, clip=clip, dtype=dtype)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

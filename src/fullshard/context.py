@@ -94,9 +94,8 @@ class StepContext:
             p.finish()
         self.pending = []
 
-    def add_pending(self, pending: PendingReduce | None) -> None:
-        if pending is not None:
-            self.pending.append(pending)
+    def add_pending(self, pending: list[PendingReduce]) -> None:
+        self.pending.extend(pending)
 
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.
