@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims
@@ -14,7 +15,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fullshard import CommPolicy, CPUOffloadPolicy, count_collectives, fully_shard
-from parity import full_state
+from parity import DIM, VOCAB, full_state
+
+HIDDEN = 14
 
 # Placement on the tp dim of each TPNet parameter (everything else: Replicate()).
 TP_PLACEMENTS = {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)}
@@ -68,4 +71,69 @@ def dp_mesh_dims_case(out: dict) -> None:
         )
         losses = _train(model, STEPS, dp, 2)
         out[f"{name}_losses"] = losses
+        _compare(name, losses, ref_losses, full_state(model), ref_state, out)
+
+
+class MoEBlock(nn.Module):
+    """A dense MLP and two "experts" whose dim 0 (2) is smaller than the 4 dp ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+        self.experts = nn.Parameter(torch.randn(2, DIM, DIM) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.down(F.gelu(self.up(self.norm(x))))
+        return h + torch.einsum("btd,edk->btk", h, self.experts) / 2
+
+
+class MoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([MoEBlock() for _ in range(2)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _moe_net() -> MoENet:
+    torch.manual_seed(0)
+    return MoENet()
+
+
+def per_param_mesh_case(out: dict) -> None:
+    """Experts sharded over a (replicate=2, shard=2) mesh, the dense rest over all 4 ranks,
+    in one unit per block (FSDP2's ShardPlacementResult); against one process and FSDP2."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (  # FSDP2's own types
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    from test_composition import STEPS, _compare, _reference, _train
+
+    ref_losses, ref_state = _reference(_moe_net, STEPS, clip=None)
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_replicate", "ep_shard"))
+    ep_info = HSDPMeshInfo(ep, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def experts_on_ep(p: nn.Parameter):
+        return ShardPlacementResult(placement=Shard(0), mesh_info=ep_info) if p.dim() == 3 else None
+
+    for name, shard_fn in (("per_param_mesh", fully_shard), ("per_param_mesh_fsdp2", torch_fully_shard)):
+        model = _moe_net()
+        for b in model.blocks:
+            shard_fn(b, mesh=world, shard_placement_fn=experts_on_ep)
+        shard_fn(model, mesh=world)
+        w = model.blocks[0].experts
+        out[f"{name}_experts"] = (w.device_mesh.mesh_dim_names, [type(p).__name__ for p in w.placements])
+        with count_collectives() as stats:
+            losses = _train(model, STEPS, dist.get_rank(), 4)
+        out[f"{name}_groups"] = sorted({(r.kind, r.group_size) for r in stats.records})
         _compare(name, losses, ref_losses, full_state(model), ref_state, out)
