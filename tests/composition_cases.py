@@ -54,7 +54,6 @@ def spmd_shard(model: nn.Module, mesh: DeviceMesh, shard_fn=fully_shard) -> nn.M
     return model
 
 
-
 def dp_mesh_dims_case(out: dict) -> None:
     """TP + FSDP in FSDP2's full-SPMD-mesh form, against one process and torch FSDP2."""
     from test_composition import STEPS, _compare, _reference, _tp_net, _train
@@ -126,14 +125,75 @@ def per_param_mesh_case(out: dict) -> None:
     def experts_on_ep(p: nn.Parameter):
         return ShardPlacementResult(placement=Shard(0), mesh_info=ep_info) if p.dim() == 3 else None
 
-    for name, shard_fn in (("per_param_mesh", fully_shard), ("per_param_mesh_fsdp2", torch_fully_shard)):
+    for name, shard_fn in (
+        ("per_param_mesh", fully_shard),
+        ("per_param_mesh_fsdp2", torch_fully_shard),
+    ):
         model = _moe_net()
         for b in model.blocks:
             shard_fn(b, mesh=world, shard_placement_fn=experts_on_ep)
         shard_fn(model, mesh=world)
         w = model.blocks[0].experts
-        out[f"{name}_experts"] = (w.device_mesh.mesh_dim_names, [type(p).__name__ for p in w.placements])
+        out[f"{name}_experts"] = (
+            w.device_mesh.mesh_dim_names,
+            [type(p).__name__ for p in w.placements],
+        )
         with count_collectives() as stats:
             losses = _train(model, STEPS, dist.get_rank(), 4)
         out[f"{name}_groups"] = sorted({(r.kind, r.group_size) for r in stats.records})
         _compare(name, losses, ref_losses, full_state(model), ref_state, out)
+
+
+def _bits_weights(model: nn.Module) -> None:
+    """Make the blocks' TP weights' local tensors BitsGather (the extension, on TP)."""
+    from test_composition_extra import BitsGather
+
+    for b in model.blocks:
+        for lin in (b.up, b.down):
+            w = lin.weight
+            local = BitsGather(w._local_tensor.detach().clone())
+            lin.weight = nn.Parameter(
+                DTensor.from_local(
+                    local, w.device_mesh, w.placements, shape=w.shape, stride=w.stride()
+                )
+            )
+
+
+def tp_variants_case(out: dict, mesh: DeviceMesh, ref: tuple[list[float], dict]) -> None:
+    """TP x FSDP on (dp=2, tp=2) with CPU offload, the packed transport, the all-gather
+    extension on TP weights, and meta-device init; each against one process."""
+    from fullshard import clip_grad_norm_
+    from test_composition import STEPS, TPNet, _compare, _reference, _tp_fsdp, _train
+
+    dp = mesh["dp"].get_local_rank()
+    variants = {
+        "tp_offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+        "tp_packed": {"comm_policy": CommPolicy(transport="packed")},
+        "tp_extension": {"prepare": _bits_weights},
+    }
+    for name, kwargs in variants.items():
+        model = _tp_fsdp(mesh, **kwargs)
+        with count_collectives() as stats:
+            losses = _train(model, STEPS, dp, 2, clip=clip_grad_norm_)
+        out[f"{name}_gather_dtypes"] = sorted(
+            {str(r.dtype) for r in stats.records if r.kind == "all_gather"}
+        )
+        _compare(name, losses, ref[0], full_state(model), ref[1], out)
+    # Meta-device init: TP and fully_shard on meta, then to_empty and an init of the shards.
+    with torch.device("meta"):
+        model = _tp_fsdp(mesh, make=TPNet)
+    model.to_empty(device="cpu")
+    torch.manual_seed(dp)  # the tp ranks of one dp rank draw the same replicated values
+    with torch.no_grad():
+        for p in model.parameters():
+            p._local_tensor.normal_(0.0, 0.3)
+    init = full_state(model)
+
+    def from_init() -> TPNet:
+        net = TPNet()
+        net.load_state_dict(init)
+        return net
+
+    meta_ref = _reference(from_init, STEPS)
+    losses = _train(model, STEPS, dp, 2, clip=clip_grad_norm_)
+    _compare("tp_meta_init", losses, meta_ref[0], full_state(model), meta_ref[1], out)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from fullshard import count_collectives, fully_shard
@@ -121,6 +122,24 @@ class SplitGather(_GatherExt):
             out.copy_(full)
             return None
         return full, (full,)
+
+
+class BitsGather(_GatherExt):
+    """Gathers its fp32 shard bit for bit as int32 (lossless) and checks ``outer_size``."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data.view(torch.int32),), (tuple(outer_size), mesh.ndim)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (bits,) = outputs
+        (outer, mesh_ndim) = metadata
+        assert mesh_ndim == 1 and bits.shape[1:] == outer[1:], (bits.shape, metadata)
+        data = bits.view(torch.float32)
+        if out is not None:  # a tensor-parallel parameter: out is its DTensor
+            local = out._local_tensor if isinstance(out, DTensor) else out
+            local.copy_(data[: local.shape[0]])
+            return None
+        return data, (data,)
 
 
 class RoundedLinear(nn.Linear):
