@@ -20,10 +20,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import composition_cases
 from fullshard import checkpoint as ckpt
-from fullshard import clip_grad_norm_, fully_shard
+from fullshard import clip_grad_norm_, count_collectives, fully_shard
 from fullshard.testing import run_distributed
 from parity import GLOBAL_BATCH, batch, full_state, loss_fn, make_net, make_optimizer, shard_net
+from test_composition_extra import BitsGather
 
 VOCAB, DIM, HIDDEN = 13, 10, 14  # HIDDEN / tp = 7 rows: uneven over dp = 2
 STEPS = 4
@@ -91,19 +93,23 @@ def _compare(name, losses, ref_losses, state, ref_state, out):
     out[name] = (loss_err, w_err)
 
 
-def _reference(make, steps, dtype=torch.float32):
+def _reference(make, steps, dtype=torch.float32, clip=torch.nn.utils.clip_grad_norm_):
     model = make().to(dtype)
-    losses = _train(model, steps, 0, 1, clip=torch.nn.utils.clip_grad_norm_, dtype=dtype)
+    losses = _train(model, steps, 0, 1, clip=clip, dtype=dtype)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _tp_fsdp(mesh: DeviceMesh) -> TPNet:
-    model = _tp_net()
+def _tp_fsdp(mesh: DeviceMesh, make=None, prepare=None, **fully_shard_kwargs) -> TPNet:
+    """TP on each block (``prepare`` runs after it), then fully_shard over dp, bottom-up."""
+    model = (make or _tp_net)()
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else mesh["replicate", "shard"]
     for b in model.blocks:
         parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(b, mesh=dp)
-    fully_shard(model, mesh=dp)
+    if prepare is not None:
+        prepare(model)
+    for b in model.blocks:
+        fully_shard(b, mesh=dp, **fully_shard_kwargs)
+    fully_shard(model, mesh=dp, **fully_shard_kwargs)
     return model
 
 
@@ -119,6 +125,9 @@ def _four_ranks(path: str) -> dict:
     losses = _train(model, STEPS, mesh["dp"].get_local_rank(), 2, clip=clip_grad_norm_)
     _compare("tp_fsdp", losses, ref_losses, full_state(model), ref_state, out)
     ckpt.save(path, model=model)
+    composition_cases.tp_variants_case(out, mesh, (ref_losses, ref_state))
+    composition_cases.dp_mesh_dims_case(out)
+    composition_cases.per_param_mesh_case(out)
     # A sub-mesh from a subgroup: ranks {0, 1} and {2, 3} each train the whole model.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     sub = DeviceMesh.from_group(pairs[rank // 2], "cpu")
@@ -142,6 +151,17 @@ def _two_or_three_ranks(path: str | None) -> dict:
     losses = _train(net, STEPS, dist.get_rank(), world, clip=clip_grad_norm_)
     _compare(f"shard_last_dim_{world}", losses, ref_losses, full_state(net), ref_state, out)
     out["unsharded_after_step"] = sum(st.group.unsharded_bytes_allocated for st in _states(net))
+    # The all-gather extension on Shard(-1) weights (uneven on 3 ranks): gathered as int32.
+    ext = make_net()
+    for b in ext.blocks:
+        b.up.weight = nn.Parameter(BitsGather(b.up.weight.detach().clone()))
+    ext = shard_net(ext, shard_placement_fn=_shard_dim)
+    with count_collectives() as stats:
+        losses = _train(ext, STEPS, dist.get_rank(), world, clip=clip_grad_norm_)
+    out["ext_gather_dtypes"] = sorted(
+        {str(r.dtype) for r in stats.records if r.kind == "all_gather"}
+    )
+    _compare(f"extension_last_dim_{world}", losses, ref_losses, full_state(ext), ref_state, out)
     if path is None:
         return out
     # Load the TP x FSDP (2, 2) checkpoint on plain FSDP over 2 ranks.
@@ -184,13 +204,40 @@ def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
         four = run_distributed(_four_ranks, 4, path)
         assert four[0]["placements"] == [("_StridedShard", 0), ("Shard", 0)]
         for r in four:
-            _check(r, "tp_fsdp")
-            _check(r, "from_group")
+            for name in ("tp_fsdp", "from_group", "tp_offload", "tp_packed", "tp_meta_init"):
+                _check(r, name)
+            # The all-gather extension on TP weights: their bytes go on the wire as int32.
+            _check(r, "tp_extension")
+            assert r["tp_extension_gather_dtypes"] == ["torch.float32", "torch.int32"]
+            # dp_mesh_dims: sharded on the full (dp, tp) mesh, as torch FSDP2 shards it.
+            for name in ("spmd", "spmd_fsdp2"):
+                _check(r, name)
+                assert r[f"{name}_placements"] == (
+                    ("dp", "tp"),
+                    [("_StridedShard", 0), ("Shard", 0)],
+                )
+            assert r["spmd_losses"] == r["spmd_fsdp2_losses"]
+            # Per-parameter mesh: experts on (ep_replicate, ep_shard), the rest on 4 ranks.
+            for name in ("per_param_mesh", "per_param_mesh_fsdp2"):
+                _check(r, name)
+                assert r[f"{name}_experts"] == (
+                    ("ep_replicate", "ep_shard"),
+                    ["Replicate", "Shard"],
+                )
+            assert r["per_param_mesh_groups"] == [
+                ("all_gather", 2),
+                ("all_gather", 4),
+                ("all_reduce", 2),
+                ("reduce_scatter", 2),
+                ("reduce_scatter", 4),
+            ]
         two = run_distributed(_two_or_three_ranks, 2, path)
         for r in two:
             assert r["placement"] == [("Shard", 1)]
             assert r["unsharded_after_step"] == 0
             _check(r, "shard_last_dim_2")
+            _check(r, "extension_last_dim_2")
+            assert r["ext_gather_dtypes"] == ["torch.float32", "torch.int32"]
             assert r["dtype64"] == "torch.float64"
             _check(r, "float64")
         # The checkpoint saved on (dp=2, tp=2) loads on 2 plain FSDP ranks and on 1 process.
@@ -205,3 +252,4 @@ def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
     three = run_distributed(_two_or_three_ranks, 3, None)
     for r in three:
         _check(r, "shard_last_dim_3")
+        _check(r, "extension_last_dim_3")

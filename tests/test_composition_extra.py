@@ -6,12 +6,15 @@ every step, full weights < 1e-4). One spawn of 2 ranks runs every case.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from fullshard import count_collectives, fully_shard
@@ -123,6 +126,24 @@ class SplitGather(_GatherExt):
         return full, (full,)
 
 
+class BitsGather(_GatherExt):
+    """Gathers its fp32 shard bit for bit as int32 (lossless) and checks ``outer_size``."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data.view(torch.int32),), (tuple(outer_size), mesh.ndim)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (bits,) = outputs
+        (outer, mesh_ndim) = metadata
+        assert mesh_ndim == 1 and bits.shape[1:] == outer[1:], (bits.shape, metadata)
+        data = bits.view(torch.float32)
+        if out is not None:  # a tensor-parallel parameter: out is its DTensor
+            local = out._local_tensor if isinstance(out, DTensor) else out
+            local.copy_(data[: local.shape[0]])
+            return None
+        return data, (data,)
+
+
 class RoundedLinear(nn.Linear):
     """Computes with bf16-rounded weights (idempotent: a bf16-gathered weight is unchanged)."""
 
@@ -222,6 +243,10 @@ def _cases() -> dict:
     out["compile_model"] = _errors(net, losses, ref)
     out["graphs"] = counters["stats"]["unique_graphs"]
 
+    # 2c. backend="inductor" (C++ kernels) on one block: CI's short form of the slow
+    # test_compile_inductor_blocks_and_model (every block, then the whole model).
+    out.update(_inductor(ref, whole_model=False))
+
     # 3. The all-gather extension: bf16 on the wire (half the bytes), and two inputs + metadata.
     ext_ref_net = _ext_net(None)
     ext_ref = (_train(ext_ref_net, 0, 1), full_state(ext_ref_net))
@@ -263,7 +288,9 @@ def test_mixed_dtypes_and_compile() -> None:
         assert "blocks.0.down.weight: torch.float64" in r["refused"], r["refused"]
         assert "param_dtype" in r["refused"]
         assert r["graphs"] > 0  # something was compiled between the unit hooks
-        for name in ("mixed", "compile_blocks", "compile_model", "Bf16Gather", "SplitGather"):
+        assert r["inductor_graphs"] > 0  # inductor compiled (or loaded from cache) the block
+        names = ("mixed", "compile_blocks", "compile_model", "inductor_blocks")
+        for name in (*names, "Bf16Gather", "SplitGather"):
             _check(r, name)
         # bf16 on the wire: forward + backward gather every weight twice, at 2 bytes each.
         # The extension weights leave the fp32 gathers and join the bf16 ones at half the bytes
@@ -303,3 +330,51 @@ def test_hsdp_tp_8_ranks() -> None:
         assert r["mesh"] == ("replicate", "shard", "tp")
         assert r["placements"] == ["Replicate", "_StridedShard", "Shard"]
         _check(r, "hsdp_tp")
+
+
+def _inductor(ref: tuple[list[float], dict], whole_model: bool) -> dict:
+    """Per-block (and whole-model) ``torch.compile(backend="inductor")`` against one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    torch._dynamo.reset()
+    counters.clear()
+    net = _net()
+    blocks = net.blocks if whole_model else net.blocks[:1]  # short form: one block
+    for b in blocks:
+        b.compile(backend="inductor")
+    # Compile on rank 0 first, then on rank 1 from inductor's cache: half the C++ compiles.
+    for turn in range(world):
+        if turn == rank:
+            for b in blocks:
+                b(torch.randn(2, 3, DIM)).sum().backward()
+            net.zero_grad(set_to_none=True)
+        dist.barrier()
+    out["inductor_blocks"] = _errors(_shard(net), _train(net, rank, world), ref)
+    inductor = counters["inductor"]
+    out["inductor_graphs"] = inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"]
+    if whole_model:
+        torch._dynamo.reset()
+        net = _shard(_net())
+        compiled = torch.compile(net, backend="inductor")
+        counters.clear()
+        out["inductor_model"] = _errors(net, _train(compiled, rank, world), ref)
+        out["model_graphs"] = counters["stats"]["unique_graphs"]
+    return out
+
+
+def _inductor_all() -> dict:
+    reference = _net()
+    return _inductor((_train(reference, 0, 1), full_state(reference)), True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("FULLSHARD_RUN_SLOW") != "1",
+    reason="inductor compiles of every block and the whole model: set FULLSHARD_RUN_SLOW=1",
+)
+def test_compile_inductor_blocks_and_model() -> None:
+    """The long form of case 2c of test_mixed_dtypes_and_compile (CI runs one block)."""
+    for r in run_distributed(_inductor_all, 2):
+        assert r["inductor_graphs"] > 0 and r["model_graphs"] > 0, r
+        _check(r, "inductor_blocks")
+        _check(r, "inductor_model")

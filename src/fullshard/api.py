@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Placement
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState
 from .init import check_reshard_after_forward, claim_params
-from .mesh import default_mesh, mesh_info
+from .mesh import default_mesh, mesh_info, mesh_info_from_dims
 from .module import (
     FSDPModule,
     FullyShardError,
@@ -89,7 +89,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | Any | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - as FSDP2; never mutated
     ignored_params: set[nn.Parameter] | None = None,
@@ -109,11 +109,17 @@ def fully_shard(
       rest, an int ``k`` keeps a copy sharded over groups of ``k`` ranks so backward gathers
       within ``k``.
     - ``shard_placement_fn``: may return ``Shard(d)`` for any dim (negative ones count from
-      the end; uneven sizes allowed, unlike FSDP2) or ``None`` (``Shard(0)``).
+      the end; uneven sizes allowed, unlike FSDP2), ``None`` (``Shard(0)``) or FSDP2's
+      ``ShardPlacementResult(placement, mesh_info)``: that parameter shards over
+      ``mesh_info.mesh`` (1-D, or 2-D (replicate, shard)) instead, e.g. MoE experts on an
+      expert-parallel mesh; the unit then communicates one group per mesh.
     - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
-    - ``dp_mesh_dims``: FSDP2's data-parallel dims of a larger SPMD mesh; only ``None`` for
-      now (pass the data-parallel sub-mesh as ``mesh``).
+    - ``dp_mesh_dims``: FSDP2's full-SPMD-mesh form: ``mesh`` is the whole mesh (e.g.
+      ``(dp, tp)``), every parameter is a DTensor on it with ``Replicate()`` on the dims
+      ``dp_mesh_dims`` names, and the unit shards over ``shard`` (and replicates over
+      ``replicate``, HSDP); several names on one side are flattened. Sharded parameters stay
+      DTensors on that mesh. Not with int ``reshard_after_forward`` (as FSDP2).
     - ``comm_policy`` (fullshard only): the transport (``packed`` / ``p2p`` / ``auto``) and
       low-precision communication, see :class:`fullshard.policies.CommPolicy`.
 
@@ -129,18 +135,29 @@ def fully_shard(
     for m in modules:
         _check_module(m)
     if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard(dp_mesh_dims={dp_mesh_dims}) is not supported by fullshard yet: pass "
-            f"the data-parallel sub-mesh itself, e.g. mesh=spmd_mesh['dp'] (1-D) or "
-            f"mesh=spmd_mesh['replicate', 'shard'] (HSDP)"
-        )
-    if mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+            raise TypeError(
+                f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got "
+                f"{type(dp_mesh_dims).__name__}"
+            )
+        if mesh is None:
+            raise ValueError(
+                "dp_mesh_dims names dims of the full SPMD mesh: pass that mesh as mesh=..."
+            )
+        if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+            raise NotImplementedError(  # as FSDP2
+                f"reshard_after_forward={reshard_after_forward} (an int) is not supported with "
+                f"dp_mesh_dims; use True or False"
+            )
+        info = mesh_info_from_dims(mesh, dp_mesh_dims)
+    elif mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise FullyShardError(
             f"a 2-D mesh for HSDP must name its dims (replicate, shard): build it with "
             f"init_device_mesh(device_type, {tuple(mesh.shape)}, "
             f"mesh_dim_names=('replicate', 'shard'))"
         )
-    info = mesh_info(mesh if mesh is not None else default_mesh())
+    else:
+        info = mesh_info(mesh if mesh is not None else default_mesh())
     check_reshard_after_forward(reshard_after_forward, info.shard_size)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")

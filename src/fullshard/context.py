@@ -111,9 +111,8 @@ class StepContext:
         while len(self.pending) >= self.max_pending:
             self.pending.pop(0).finish()
 
-    def add_pending(self, pending: PendingReduce | None) -> None:
-        if pending is not None:
-            self.pending.append(pending)
+    def add_pending(self, pending: list[PendingReduce]) -> None:
+        self.pending.extend(pending)
 
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.

@@ -18,8 +18,18 @@ the unsharded parameter from ``unsharded`` (trimmed to the parameter's shape, as
 and ``fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded_param)`` after that,
 with the storages of ``inner`` reallocated first (they are freed at reshard). Gradients are
 reduced like any other parameter's. Such parameters sit outside the unit's packed buffer
-(:class:`~fullshard.group.ParamGroup` keeps them in ``extended``); ``Shard(0)`` only, and not
-for tensor-parallel DTensors or int ``reshard_after_forward`` (which keep FSDP2's limits).
+(:class:`~fullshard.group.ParamGroup` keeps them in ``extended``). As in FSDP2:
+
+- ``mesh`` is the 1-D shard mesh; ``outer_size`` / ``outer_stride`` are the shape the shard
+  group splits (a tensor-parallel parameter's *local* TP shape);
+- ``Shard(d > 0)``: each input must have the shard's shape; the gathered pieces are joined
+  along ``d`` (trailing ranks' padding dropped: uneven sizes work, which FSDP2 refuses), so
+  ``outputs`` have the unsharded (local) shape;
+- a tensor-parallel parameter (its DTensor's local tensor defines the protocol): the
+  unsharded parameter is the TP DTensor around what ``fsdp_post_all_gather`` returns, and
+  ``out=`` receives that DTensor (unwrap ``out._local_tensor``, as torchao does).
+
+With int ``reshard_after_forward`` such parameters reshard fully.
 """
 
 from __future__ import annotations
@@ -54,12 +64,6 @@ def check_extension(sp: ShardedParam) -> None:
             f"parameter {sp.fqn!r} ({type(local).__name__}) defines only one of "
             f"fsdp_pre_all_gather / fsdp_post_all_gather; the all-gather extension needs both"
         )
-    if sp.dim != 0 or sp.tp_mesh is not None:
-        raise NotImplementedError(
-            f"parameter {sp.fqn!r} uses the fsdp_pre_all_gather extension with "
-            f"{'a tensor-parallel DTensor' if sp.tp_mesh is not None else f'Shard({sp.dim})'}; "
-            f"the extension is supported for Shard(0) of plain parameters only"
-        )
 
 
 @dataclass
@@ -86,22 +90,25 @@ class ExtensionGather:
     def start(self, g: ParamGroup) -> None:
         """Call every shard's pre-all-gather and issue one all-gather per returned input."""
         world, group = g.world, g.info.shard_group
+        mesh = g.info.mesh
+        if mesh.ndim == 2:  # HSDP: the extension sees the shard mesh, as in FSDP2
+            assert mesh.mesh_dim_names is not None
+            mesh = mesh[mesh.mesh_dim_names[-1]]
         for sp in self.params:
             local = sp.local
             if local.device != g.device:  # offload: gather from the compute device
                 local = local.to(g.device, non_blocking=True)
             pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
             if len(inspect.signature(pre).parameters) == 1:
-                inputs, metadata = pre(g.info.mesh)
+                inputs, metadata = pre(mesh)
             else:
                 module = sp.refs[0][0]
-                stride = torch.empty(sp.orig_shape, device="meta").stride()
-                inputs, metadata = pre(g.info.mesh, sp.orig_shape, stride, module, g.mp_policy)
+                stride = torch.empty(sp.data_shape, device="meta").stride()
+                inputs, metadata = pre(mesh, sp.data_shape, stride, module, g.mp_policy)
             handles, outputs = [], []
             for t in inputs:
-                send = _padded(t, sp.chunk_rows, sp.fqn)
-                shape = (world * sp.chunk_rows, *send.shape[1:])
-                out = torch.empty(shape, dtype=send.dtype, device=g.device)
+                send = _padded(t, sp)
+                out = torch.empty((world, *send.shape), dtype=send.dtype, device=g.device)
                 what = f"unit {g.name!r}, parameter {sp.fqn!r} (all-gather extension)"
                 with g.streams.use("gather"):
                     handles.append(C.all_gather(out.view(-1), send.view(-1), group, what=what))
@@ -117,13 +124,13 @@ class ExtensionGather:
                 h.wait()
             sp, local = item.sp, item.sp.local
             post = local.fsdp_post_all_gather  # type: ignore[attr-defined]
-            outputs = tuple(item.outputs)
+            outputs = tuple(_joined(out, sp) for out in item.outputs)
             with torch.no_grad():
                 if sp.unsharded_param is None:
                     full, inner = post(outputs, item.metadata, dtype or sp.orig_dtype)
-                    stride = torch.empty(sp.orig_shape, device="meta").stride()
-                    data = torch.as_strided(full, sp.orig_shape, stride, 0)
-                    up = nn.Parameter(data, requires_grad=sp.requires_grad)
+                    stride = torch.empty(sp.data_shape, device="meta").stride()
+                    data = torch.as_strided(full, sp.data_shape, stride, 0)
+                    up = nn.Parameter(sp.as_unsharded(data), requires_grad=sp.requires_grad)
                     if sp.requires_grad:
                         up.register_post_accumulate_grad_hook(lambda _p, sp=sp: self._on_grad(sp))
                     sp.unsharded_param = up
@@ -152,16 +159,36 @@ class ExtensionGather:
         return sum(t.untyped_storage().nbytes() for inner in self._inner.values() for t in inner)
 
 
-def _padded(t: torch.Tensor, rows: int, fqn: str) -> torch.Tensor:
-    """``t`` (an all-gather input) as a contiguous ``[rows, ...]`` tensor, zero-padded."""
+def _padded(t: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
+    """``t`` (an all-gather input) contiguous and zero-padded to ``chunk_rows`` on the
+    sharded dim (dim 0, or the parameter's ``Shard(d)``)."""
     t = t.contiguous()
-    if t.dim() == 0 or t.shape[0] > rows:
+    dim, rows = sp.dim, sp.chunk_rows
+    if dim == 0 and (t.dim() == 0 or t.shape[0] > rows):
         raise ValueError(
-            f"fsdp_pre_all_gather of {fqn!r} returned an input of shape {tuple(t.shape)}; "
+            f"fsdp_pre_all_gather of {sp.fqn!r} returned an input of shape {tuple(t.shape)}; "
             f"each input must have at most {rows} rows on dim 0 (the padded shard)"
         )
-    if t.shape[0] == rows:
+    if dim and t.shape != sp.local_shape:
+        raise ValueError(
+            f"fsdp_pre_all_gather of {sp.fqn!r} (sharded on dim {dim}) returned an input of "
+            f"shape {tuple(t.shape)}; with Shard({dim}) each input must have the shard's "
+            f"shape {tuple(sp.local_shape)} (its pieces are joined along dim {dim})"
+        )
+    if t.shape[dim] == rows:
         return t
-    out = t.new_zeros((rows, *t.shape[1:]))
-    out[: t.shape[0]].copy_(t)
+    shape = list(t.shape)
+    shape[dim] = rows
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
     return out
+
+
+def _joined(out: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
+    """A gathered ``[world, *padded input]`` tensor as ``fsdp_post_all_gather`` sees it:
+    rank-major on dim 0 (``[world * rows, ...]``, padding kept, as FSDP2), or for
+    ``Shard(d > 0)`` the ranks' unpadded pieces joined along ``d`` (the unsharded shape)."""
+    if sp.dim == 0:
+        return out.view(-1, *out.shape[2:])
+    pieces = [out[r].narrow(sp.dim, 0, sp.rank_rows(r)) for r in range(out.shape[0])]
+    return torch.cat(pieces, dim=sp.dim)

@@ -30,6 +30,19 @@ from .transport import Transport, transport_for_group
 
 __all__ = ["ParamGroup"]
 
+# Gradient knobs (FSDPModule.set_*) a child group takes from its unit's group.
+_SHARED_KNOBS = (
+    "requires_gradient_sync",
+    "requires_all_reduce",
+    "gradient_divide_factor",
+    "force_sum_reduction",
+)
+
+
+def _mesh_name(info: MeshInfo) -> str:
+    names = info.mesh.mesh_dim_names
+    return f"mesh {names}" if names else f"mesh {info.mesh.mesh.tolist()}"
+
 
 class ParamGroup:
     """The parameters of one ``fully_shard`` unit, communicated together."""
@@ -111,7 +124,12 @@ class ParamGroup:
     def reduce_group(self) -> dist.ProcessGroup:
         """Where gradients are reduce-scattered: the shard group, or the unit's own group
         (``set_separate_reduce_scatter_group``)."""
-        return self.overrides.reduce_scatter_group or self.info.shard_group
+        separate = self.overrides.reduce_scatter_group
+        if separate is not None and dist.get_process_group_ranks(
+            separate
+        ) == dist.get_process_group_ranks(self.info.shard_group):
+            return separate
+        return self.info.shard_group  # a child on another mesh keeps its own shard group
 
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
@@ -120,21 +138,15 @@ class ParamGroup:
             return
         if self.state is not ShardedState.SHARDED:
             raise RuntimeError(f"unit {self.name!r}: cannot change its parameters while unsharded")
-        ext = [sp for sp in self.params if has_extension(sp.local)]
+        own, by_mesh = self._split_by_mesh(self.params)
+        ext = [sp for sp in own if has_extension(sp.local)]
         self.extended = ExtensionGather(ext, on_grad_accumulated) if ext else None
-        self.layout, others = self._split_by_dtype([sp for sp in self.params if sp not in ext])
+        self.layout, others = self._split_by_dtype([sp for sp in own if sp not in ext])
         self.subgroups = [
-            ParamGroup(
-                sub,
-                self.info,
-                self.device,
-                self.mp_policy,
-                f"{self.name} [{sub[0].orig_dtype}]",
-                self.comm_policy,
-                offloaded=self.offloaded,
-                pin_memory=self.pin_memory,
-            )
-            for sub in others
+            self._child(sub, self.info, f"{self.name} [{sub[0].orig_dtype}]") for sub in others
+        ] + [
+            self._child(sub, sub[0].info, f"{self.name} [{_mesh_name(sub[0].info)}]")
+            for sub in by_mesh
         ]
         for child in self.subgroups:
             child.streams = self.streams
@@ -163,6 +175,37 @@ class ParamGroup:
             sp.unsharded_param = up
         self._release()
         self._layout_key = key
+
+    def _child(self, params: list[ShardedParam], info: MeshInfo, name: str) -> ParamGroup:
+        return ParamGroup(
+            params,
+            info,
+            self.device,
+            self.mp_policy,
+            name,
+            self.comm_policy,
+            offloaded=self.offloaded,
+            pin_memory=self.pin_memory,
+        )
+
+    def _split_by_mesh(
+        self, params: list[ShardedParam]
+    ) -> tuple[list[ShardedParam], list[list[ShardedParam]]]:
+        """This group's mesh's parameters and, per other mesh, those sharded over it.
+
+        [Note: one group per mesh]
+        ``shard_placement_fn`` may give a parameter its own mesh (FSDP2's
+        ``ShardPlacementResult``; e.g. MoE experts on an expert-parallel mesh). A collective
+        runs over one process group, so each other mesh gets a child group with its own
+        buffer, all-gather and reduce-scatter (and dtype split), issued, waited on, freed and
+        reduced with this one; the unit's knobs apply to every child. With int
+        ``reshard_after_forward`` the children reshard fully.
+        """
+        by_mesh: dict[int, list[ShardedParam]] = {}
+        for sp in params:
+            by_mesh.setdefault(id(sp.info), []).append(sp)
+        own = by_mesh.pop(id(self.info), [])
+        return own, list(by_mesh.values())
 
     def _split_by_dtype(
         self, params: list[ShardedParam]
@@ -306,6 +349,9 @@ class ParamGroup:
             self.reshard()
             return
         for child in self.subgroups:
+            if child.info is not self.info:  # another mesh: its own ranks ([Note: one group
+                child.reshard()  # per mesh])
+                continue
             child.post_forward_group = self.post_forward_group
             child.post_forward_index = self.post_forward_index
             child.reshard_partial()
@@ -330,18 +376,21 @@ class ParamGroup:
             return False
         return self._grads_seen == sum(1 for sp in self.params if sp.requires_grad)
 
-    def reduce_grads(self) -> PendingReduce | None:
+    def reduce_grads(self) -> list[PendingReduce]:
         """Post-backward: take the gradients, reshard, then reduce-scatter them.
 
-        Returns the reduction in flight (``None`` if there is nothing to reduce, e.g. while
-        gradient sync is off, in which case gradients accumulate unsharded in reduce dtype).
+        Returns the reductions in flight, one per group with gradients (this one and any
+        child on another mesh); none while gradient sync is off, in which case gradients
+        accumulate unsharded in reduce dtype.
         """
-        ready = collect_grads(self)
+        groups = [self, *self.subgroups]
+        for child in self.subgroups:
+            for knob in _SHARED_KNOBS:
+                setattr(child, knob, getattr(self, knob))
+        ready = [(g, collect_grads(g)) for g in groups]
         if self.reshard_after_backward:
             self.reshard()
-        if not ready:
-            return None
-        return start_reduce(self, ready)
+        return [start_reduce(g, grads) for g, grads in ready if grads]
 
     def reset_iter_state(self) -> None:
         """After an aborted forward/backward: sharded, nothing in flight, no gradient kept.
@@ -352,6 +401,8 @@ class ParamGroup:
         self.reshard()  # waits for an all-gather in flight
         self._grads_seen = 0
         self.partial = PartialReduce()
+        for child in self.subgroups:
+            child.partial = PartialReduce()
         for sp in self.params:
             sp.unsharded_accum_grad = None
             if sp.unsharded_param is not None:

@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .context import StepContext
 from .hooks import FSDPState, states_under
-from .mesh import MeshInfo
+from .mesh import MeshInfo, mesh_info
 from .param import ShardedParam
 
 __all__ = ["check_reshard_after_forward", "claim_params", "lazy_init", "resolve_reshard"]
@@ -51,11 +52,12 @@ def claim_params(
     device: torch.device,
     ignored: set[int],
     pin_memory: bool,
-    placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    placement_fn: Callable[[nn.Parameter], object] | None = None,
 ) -> list[ShardedParam]:
     """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones.
 
-    ``placement_fn`` is ``shard_placement_fn``: ``None`` or ``Shard(d)`` per parameter.
+    ``placement_fn`` is ``shard_placement_fn``: ``None``, ``Shard(d)`` or a
+    ``ShardPlacementResult`` (a placement on another mesh) per parameter.
     Parameters that are DTensors on other mesh dims (tensor parallel) are sharded over
     ``info``'s mesh on top of their placements.
     """
@@ -63,6 +65,7 @@ def claim_params(
     by_sharded = {id(sp.sharded_param): sp for sp in below}
     claimed: dict[int, ShardedParam] = {}
     new: list[ShardedParam] = []
+    meshes: dict[DeviceMesh, MeshInfo] = {info.mesh: info}  # per-parameter meshes, one each
     for m in modules:
         for prefix, sub in m.named_modules():
             for name, p in list(sub._parameters.items()):
@@ -75,19 +78,80 @@ def claim_params(
                 if sp is not None:
                     sp.add_ref(sub, name)
                     continue
-                if isinstance(p, DTensor):
-                    _check_foreign_dtensor(p, fqn, m, info)
-                placement = placement_fn(p) if placement_fn is not None else None
-                if placement is not None and not isinstance(placement, Shard):
-                    raise ValueError(
-                        f"shard_placement_fn returned {placement!r} for {fqn!r}; return "
-                        f"Shard(d) or None (Shard(0))"
-                    )
-                sp = ShardedParam(p, fqn, info, device, pin_memory=pin_memory, placement=placement)
+                result = placement_fn(p) if placement_fn is not None else None
+                placement, p_info = _resolve_placement(result, fqn, info, meshes)
+                if info.spmd is not None:
+                    _check_spmd_param(p, fqn, info)
+                elif isinstance(p, DTensor):
+                    _check_foreign_dtensor(p, fqn, m, p_info)
+                sp = ShardedParam(
+                    p, fqn, p_info, device, pin_memory=pin_memory, placement=placement
+                )
                 sp.add_ref(sub, name)
                 claimed[id(p)] = sp
                 new.append(sp)
     return new
+
+
+def _resolve_placement(
+    result: object, fqn: str, info: MeshInfo, meshes: dict[DeviceMesh, MeshInfo]
+) -> tuple[Shard | None, MeshInfo]:
+    """A ``shard_placement_fn`` result as (placement, the mesh the parameter shards over).
+
+    ``None`` / ``Shard(d)`` shard over the unit's mesh; FSDP2's ``ShardPlacementResult``
+    (``placement`` and ``mesh_info``, whose ``mesh`` is a 1-D shard or 2-D (replicate, shard)
+    mesh) shards this parameter over its own mesh: the unit then gathers and reduces it in a
+    separate communication group ([Note: one group per mesh] in ``fullshard.group``).
+    """
+    if result is None or isinstance(result, Shard):
+        return result, info
+    mesh = getattr(getattr(result, "mesh_info", None), "mesh", None)
+    placement = getattr(result, "placement", None)
+    if not isinstance(mesh, DeviceMesh) or not (placement is None or isinstance(placement, Shard)):
+        raise ValueError(
+            f"shard_placement_fn returned {result!r} for {fqn!r}; return Shard(d), None "
+            f"(Shard(0)) or a ShardPlacementResult(placement=Shard(d) or None, "
+            f"mesh_info=FSDPMeshInfo(mesh, shard_mesh_dim=0))"
+        )
+    if info.spmd is not None and mesh != info.mesh:
+        raise NotImplementedError(
+            f"shard_placement_fn gave {fqn!r} its own mesh, but this fully_shard call uses "
+            f"dp_mesh_dims; per-parameter meshes work with a data-parallel mesh= only"
+        )
+    if mesh not in meshes:
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"the 2-D mesh shard_placement_fn gave {fqn!r} must name its dims "
+                f"(replicate, shard)"
+            )
+        meshes[mesh] = mesh_info(mesh)
+    return placement, meshes[mesh]
+
+
+def _check_spmd_param(p: nn.Parameter, fqn: str, info: MeshInfo) -> None:
+    """``dp_mesh_dims``: a parameter must be a DTensor on the full mesh, Replicate on dp."""
+    spmd = info.spmd
+    assert spmd is not None
+    if not isinstance(p, DTensor):
+        raise ValueError(
+            f"with dp_mesh_dims every parameter must be a DTensor on the full SPMD mesh "
+            f"{spmd.mesh.mesh_dim_names} (as in FSDP2); {fqn!r} is a plain "
+            f"{type(p.data).__name__}: distribute it first (distribute_tensor(p, mesh, "
+            f"[Replicate(), ...])) or pass it in ignored_params"
+        )
+    if p.device_mesh != spmd.mesh:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {p.device_mesh}, not the mesh passed "
+            f"to fully_shard with dp_mesh_dims ({spmd.mesh}); distribute it on that mesh"
+        )
+    names = spmd.mesh.mesh_dim_names or ()
+    for i in sorted(spmd.dp_dims):
+        if not isinstance(p.placements[i], Replicate):
+            raise ValueError(
+                f"parameter {fqn!r} has placement {p.placements[i]} on the data-parallel "
+                f"mesh dim {names[i]!r}; with dp_mesh_dims it must be Replicate() there "
+                f"(fully_shard does the sharding)"
+            )
 
 
 def _check_foreign_dtensor(p: DTensor, fqn: str, m: nn.Module, info: MeshInfo) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["MeshInfo", "default_mesh", "mesh_info"]
+__all__ = ["MeshInfo", "SpmdDims", "default_mesh", "mesh_info", "mesh_info_from_dims"]
 
 
 def _device_type() -> str:
@@ -33,6 +34,19 @@ def default_mesh() -> DeviceMesh:
 
 
 @dataclass(frozen=True)
+class SpmdDims:
+    """Where the data-parallel dims sit in a full SPMD mesh (``dp_mesh_dims``)."""
+
+    mesh: DeviceMesh  # the full mesh the parameters are DTensors on
+    shard_dims: tuple[int, ...]  # indices of the dims fully_shard shards over (flattened)
+    replicate_dims: tuple[int, ...]  # indices of the HSDP replicate dims (flattened)
+
+    @property
+    def dp_dims(self) -> frozenset[int]:
+        return frozenset(self.shard_dims + self.replicate_dims)
+
+
+@dataclass(frozen=True)
 class MeshInfo:
     """How one unit shards and replicates: the groups and this rank's place in them."""
 
@@ -43,6 +57,7 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None  # set for HSDP (2-D mesh)
     replicate_size: int
     placements: tuple[Placement, ...]  # of the sharded parameters
+    spmd: SpmdDims | None = None  # set with dp_mesh_dims: parameters live on the full mesh
 
     @property
     def device(self) -> torch.device:
@@ -86,3 +101,48 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
         f"fully_shard supports a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got a "
         f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
     )
+
+
+def mesh_info_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
+    """FSDP2's ``dp_mesh_dims``: shard (and replicate) over the named dims of a full mesh.
+
+    Several names on one side are flattened into one dimension, as in FSDP2. Only names of
+    ``mesh.mesh_dim_names`` are accepted; replicate-only (pure DDP) is refused.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
+        )
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"dp_mesh_dims={dims} needs a mesh with named dims: build it with "
+            f"init_device_mesh(device_type, {tuple(mesh.shape)}, mesh_dim_names=(...))"
+        )
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(
+                f"dp_mesh_dims names the mesh dim {name!r}, which is not one of the mesh's "
+                f"dims {names}"
+            )
+    if not dims.shard_names:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims} replicates without sharding (pure DDP), which fullshard "
+            f"does not do: name a shard dim too (DataParallelMeshDims(shard=..., "
+            f"replicate=...)) for HSDP"
+        )
+
+    def sub(group: tuple[str, ...]) -> DeviceMesh:
+        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+
+    shard = sub(dims.shard_names)
+    spmd = SpmdDims(
+        mesh,
+        tuple(names.index(n) for n in dims.shard_names),
+        tuple(names.index(n) for n in dims.replicate_names),
+    )
+    if not dims.replicate_names:
+        info = mesh_info(shard)
+    else:
+        info = mesh_info(DeviceMesh._concatenate([sub(dims.replicate_names), shard]))
+    return replace(info, spmd=spmd)

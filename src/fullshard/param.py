@@ -36,6 +36,10 @@ shards the same dim, the dp placement is ``_StridedShard(dim, split_factor)`` (F
 convention: dp's chunks interleave inside each TP chunk). The unsharded form wraps the
 gathered local tensor in the TP ``DTensor`` again, so TP modules see what they expect, and
 :meth:`grad_data` unwraps its gradient. Communication runs over dp only.
+With ``dp_mesh_dims`` (FSDP2's full-SPMD-mesh form) the parameter is a DTensor on the *full*
+mesh with ``Replicate()`` on the dp dims; the sharded form stays on that mesh with each dp
+shard dim's placement replaced (``_StridedShard`` where a later mesh dim shards the same
+tensor dim), and gradients keep their dp placements (the reduction handles those dims).
 """
 
 from __future__ import annotations
@@ -152,6 +156,8 @@ class ShardedParam:
         ]
         if self.tp_mesh is None:
             return self.info.mesh, tuple(dp)
+        if self.info.spmd is not None:
+            return self._spmd_full_mesh(data)
         # A dim the TP placements shard already is split again by dp: torch's _StridedShard
         # records that the dp chunks interleave inside each TP chunk (FSDP2 does the same).
         split = math.prod(
@@ -163,6 +169,39 @@ class ShardedParam:
             dp[-1] = _StridedShard(self.dim, split_factor=split)
         mesh = DeviceMesh._concatenate([self.info.mesh, self.tp_mesh])
         return mesh, (*dp, *self.tp_placements)
+
+    def _spmd_full_mesh(self, data: torch.Tensor) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """``dp_mesh_dims``: the parameter's own full mesh, each dp shard dim's ``Replicate``
+        replaced by ``Shard(dim)`` — ``_StridedShard`` where a later mesh dim shards the same
+        tensor dim — and several dp shard dims merged into their flattened mesh (FSDP2's
+        layout)."""
+        spmd = self.info.spmd
+        assert spmd is not None and self.tp_mesh is not None
+        mesh, orig = spmd.mesh, self.tp_placements
+        placements = list(orig)
+        for i in spmd.shard_dims:
+            split = 1
+            for j in range(i + 1, mesh.ndim):
+                p = orig[j]
+                if isinstance(p, (Shard, _StridedShard)) and _norm(p.dim, data.dim()) == self.dim:
+                    split *= mesh.size(j)
+            strided = _StridedShard(self.dim, split_factor=split)
+            placements[i] = strided if split > 1 else Shard(self.dim)
+        if len(spmd.shard_dims) == 1:  # replicate dims keep their Replicate()
+            return mesh, tuple(placements)
+        names = mesh.mesh_dim_names
+        assert names is not None
+        meshes: list[DeviceMesh] = []
+        out: list[Placement] = []
+        for i, name in enumerate(names):
+            if i == spmd.shard_dims[0]:
+                meshes.append(self.info.mesh)  # flattened; (replicate, shard) for HSDP
+                out.extend(self.info.placements[:-1])
+                out.append(placements[i])
+            elif i not in spmd.dp_dims:
+                meshes.append(mesh[name])
+                out.append(placements[i])
+        return DeviceMesh._concatenate(meshes), tuple(out)
 
     def _wrap_sharded(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -207,6 +246,11 @@ class ShardedParam:
             data = torch.empty(self.data_shape, dtype=region.dtype, device=region.device)
             data.untyped_storage().resize_(0)
             self.unsharded_data = data
+        return self.as_unsharded(data)
+
+    def as_unsharded(self, data: torch.Tensor) -> torch.Tensor:
+        """The unsharded parameter around its (``data_shape``) data: the data itself, or a
+        tensor-parallel parameter's DTensor again."""
         if self.tp_mesh is None:
             return data
         return DTensor.from_local(
@@ -252,8 +296,12 @@ class ShardedParam:
         redistributed to the parameter's TP placements first if autograd left it otherwise)."""
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.tp_placements:
-            grad = grad.redistribute(placements=self.tp_placements)
+        target = self.tp_placements
+        if self.info.spmd is not None:  # dp dims keep theirs: the reduction below handles them
+            dp = self.info.spmd.dp_dims
+            target = tuple(grad.placements[i] if i in dp else p for i, p in enumerate(target))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         return grad._local_tensor
 
     def grad_pieces(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
@@ -356,6 +404,10 @@ class ShardedParam:
         else:
             assert isinstance(grad, DTensor)
             grad._local_tensor.add_(local_grad.to(grad._local_tensor.device))
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
 
 
 def _dtensor_like(local: torch.Tensor, like: torch.Tensor) -> DTensor:
