@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard import CommPolicy, FSDPModule, count_collectives, fully_shard
+from fullshard import CommPolicy, FSDPModule, MixedPrecisionPolicy, count_collectives, fully_shard
 from fullshard.api import _all_states
 from fullshard.events import record_events
 from fullshard.testing import run_distributed
@@ -32,7 +32,7 @@ CASES = [
     ("raf_true_accum2", {}, {"reshard_after_forward": True}, 2, (1, 2, 3)),
     ("raf_2", {}, {"reshard_after_forward": 2}, 1, (4,)),
     ("raf_2_accum2", {}, {"reshard_after_forward": 2}, 2, (4,)),
-    ("ckpt_reuse", {"ckpt": True, "reuse": True}, {}, 1, (2, 4)),
+    ("ckpt_reuse", {"ckpt": True, "reuse": True}, {}, 1, (1, 2, 4)),
 ]
 
 
@@ -77,8 +77,11 @@ def _run_cases() -> dict[tuple[str, str], tuple[list[float], dict[str, torch.Ten
 def _expected_paths(name: str, transport: str, world: int) -> set[tuple[str, str]]:
     """Which way each unit gathered/reduced (fullshard.transport), as the event log shows.
 
-    The parity model's units are far below ``P2P_MIN_BYTES``, so ``auto`` packs them."""
-    if world == 1 or transport in ("packed", "auto"):
+    The parity model's units are far below ``P2P_MIN_BYTES``, so ``auto`` packs them; on one
+    rank every unit is ``local`` (its unsharded parameters alias the shards)."""
+    if world == 1:
+        return {("gather_issue", "local"), ("reduce_issue", "local")}
+    if transport in ("packed", "auto"):
         return {("gather_issue", "packed"), ("reduce_issue", "packed")}
     paths = {("gather_issue", "pieces"), ("reduce_issue", "pieces")}
     if name.startswith("raf_2"):  # backward regathers the kept copy: always packed
@@ -238,6 +241,52 @@ def test_api_and_errors() -> None:
     assert "bottom-up" in msgs["top_down"] and "'small' of Block" in msgs["top_down"]
     assert "rank 1 is not in the mesh [0]" in results[1]["mesh"]
     assert "up.weight" in msgs["meta"] and "to_empty" in msgs["meta"]
+
+
+def _local_transport() -> dict[str, object]:
+    """One rank: the ``local`` transport ([Note: a shard group of one rank] in group.py)."""
+    out: dict[str, object] = {}
+    x, y = batch(0)
+    model = shard_net(make_net())
+    model.set_gradient_divide_factor(4.0)
+    for _ in range(2):  # the second backward accumulates into the sharded gradients
+        loss_fn(model(x), y).backward()
+    ref = make_net()
+    loss_fn(ref(x), y).backward()
+    ref_grads = {k: 2 * p.grad / 4.0 for k, p in ref.named_parameters() if p.grad is not None}
+    grads = {k: p.grad.full_tensor() for k, p in model.named_parameters() if p.grad is not None}
+    out["grads_match"] = grads.keys() == ref_grads.keys() and all(
+        torch.allclose(grads[k], ref_grads[k], atol=1e-6) for k in grads
+    )
+    units = [st.group for st in _all_states(model) if st.group.layout]
+    out["transports"] = sorted({g.transport.name for g in units})
+    out["aliased"] = all(
+        sp.unsharded_param is not None and sp.unsharded_param.data_ptr() == sp.local.data_ptr()
+        for g in units
+        for sp in g.layout
+    )
+    out["dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
+    # Shards replaced after lazy init (to_empty) are re-aliased: the model computes with the
+    # loaded values, not the old storage.
+    model.zero_grad()
+    model.to_empty(device="cpu")
+    model.load_state_dict(shard_net(make_net(seed=1)).state_dict())
+    with torch.no_grad():
+        out["realiased"] = torch.allclose(loss_fn(model(x), y), loss_fn(make_net(seed=1)(x), y))
+    # A compute dtype other than the shards' needs a copy: the packed transport again.
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    mp = shard_net(make_net(), mp_policy=bf16)
+    loss_fn(mp(x), y).backward()
+    out["mp_transports"] = sorted({st.group.transport.name for st in _all_states(mp)})
+    return out
+
+
+def test_local_transport_on_one_rank() -> None:
+    (out,) = run_distributed(_local_transport, 1, timeout=300)
+    assert out["transports"] == ["local"] and out["aliased"] and out["dtensors"], out
+    assert out["grads_match"], "gradients on one rank: the local tensors, accumulated, divided"
+    assert out["realiased"], "a shard replaced after lazy init was not re-aliased"
+    assert out["mp_transports"] == ["packed"], out
 
 
 def _dcp_roundtrip(path: str) -> bool:

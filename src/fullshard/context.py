@@ -44,6 +44,12 @@ class StepContext:
         self.forward_order: list[FSDPState] = []
         self.prev_forward_order: list[FSDPState] = []
         self.post_forward_order: list[FSDPState] = []
+        # Positions in the orders above, so that each hook's look-up is O(1) (a unit's hooks
+        # run every step; a list search made them O(units)). Rebuilt when an order changes.
+        # (FSDPState hashes by identity.)
+        self._forward_seen: set[FSDPState] = set()  # the units in forward_order
+        self._prev_forward_index: dict[FSDPState, int] = {}  # unit -> its index there
+        self._post_forward_index: dict[FSDPState, int] | None = None  # None: rebuild
         self.pending: list[PendingReduce] = []
         self.max_pending = 1  # reductions allowed in flight (see update_max_pending)
         self.update_max_pending()
@@ -55,34 +61,48 @@ class StepContext:
         """The root's forward starts: the last forward's order becomes the prefetch plan."""
         if self.forward_order:
             self.prev_forward_order = self.forward_order
+            self._prev_forward_index = {st: i for i, st in enumerate(self.forward_order)}
+        self._clear_orders()
+
+    def _clear_orders(self) -> None:
         self.forward_order = []
+        self._forward_seen = set()
         self.post_forward_order = []
+        self._post_forward_index = None
 
     def record_forward(self, state: FSDPState) -> None:
-        if state not in self.forward_order:
+        if state not in self._forward_seen:
+            self._forward_seen.add(state)
             self.forward_order.append(state)
 
     def record_post_forward(self, state: FSDPState) -> None:
-        if state in self.post_forward_order:
-            self.post_forward_order.remove(state)
-        self.post_forward_order.append(state)
+        order, index = self.post_forward_order, self._post_index()
+        if state not in index:
+            index[state] = len(order)
+            order.append(state)
+        elif order[-1] is not state:  # ran again (a reused module): it moves to the end
+            order.remove(state)
+            order.append(state)
+            self._post_forward_index = None
+
+    def _post_index(self) -> dict[FSDPState, int]:
+        if self._post_forward_index is None:
+            self._post_forward_index = {st: i for i, st in enumerate(self.post_forward_order)}
+        return self._post_forward_index
 
     def next_in_forward(self, state: FSDPState) -> list[FSDPState]:
         """The unit that ran after ``state`` in the previous forward (implicit prefetch)."""
         order = self.prev_forward_order
-        if state in order:
-            i = order.index(state)
-            if i + 1 < len(order):
-                return [order[i + 1]]
+        i = self._prev_forward_index.get(state)
+        if i is not None and i + 1 < len(order):
+            return [order[i + 1]]
         return []
 
     def next_in_backward(self, state: FSDPState) -> list[FSDPState]:
         """The unit whose backward runs after ``state``'s (the one before it in forward)."""
-        order = self.post_forward_order
-        if state in order:
-            i = order.index(state)
-            if i > 0:
-                return [order[i - 1]]
+        i = self._post_index().get(state)
+        if i is not None and i > 0:
+            return [self.post_forward_order[i - 1]]
         return []
 
     # -------------------------------------------------------------------------- backward
@@ -149,8 +169,7 @@ class StepContext:
             st.training_state = TrainingState.IDLE
             st._post_forward_calls = 0
         self.streams.wait_host_copies()
-        self.forward_order = []
-        self.post_forward_order = []
+        self._clear_orders()
         self.callback_queued = False
 
     # ------------------------------------------------------------------------- subgroups

@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .events import emit
 from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
 from .mesh import MeshInfo
 from .overrides import CommOverrides
 from .param import ShardedParam
 from .policies import CommPolicy, MixedPrecisionPolicy
-from .reduce import PartialReduce, PendingReduce, collect_grads, start_reduce
+from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
 from .state import ShardedState, transition
 from .streams import CommStreams
 from .transport import Transport, transport_for_group
@@ -94,11 +95,14 @@ class ParamGroup:
         self._gather: PendingGather | None = None  # the all-gather in flight
         self.unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
         self._grads_seen = 0
+        self._grads_expected = 0  # trainable parameters (set by init_layout)
         # (id, dtype) of the params the layout was built for
         self._layout_key: list[tuple[int, torch.dtype]] = []
         self.offsets: list[int] = []
         self.total = 0
         self._regions: list[torch.Tensor] = []
+        # Local transport: the shard tensors the unsharded parameters alias (one per layout).
+        self._aliased: list[torch.Tensor] = []
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -134,6 +138,7 @@ class ParamGroup:
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
         key = [(id(sp), sp.orig_dtype) for sp in self.params]  # a cast rebuilds it
+        self._grads_expected = sum(1 for sp in self.params if sp.requires_grad)
         if self._layout_key == key or not self.params:
             return
         if self.state is not ShardedState.SHARDED:
@@ -158,21 +163,27 @@ class ParamGroup:
             self.offsets.append(off)
             off += sp.shard_numel
         self.total = off
-        buf = torch.empty(self.world * self.total, dtype=self.compute_dtype(), device=self.device)
-        self.unsharded_buf = buf
+        dtype = self.compute_dtype()
         self.transport = transport_for_group(
             self.comm_policy.transport,
             self.info.shard_group,
             self.device.type,
             self.world,
-            buf.numel() * buf.element_size(),
+            self.world * self.total * dtype.itemsize,
+            aliasable=self._aliasable(),
         )
-        self._regions = self._make_regions()
-        for sp, region in zip(self.layout, self._regions):
-            up = nn.Parameter(sp.unsharded_view(region), requires_grad=sp.requires_grad)
-            if sp.requires_grad:
-                up.register_post_accumulate_grad_hook(lambda _p, sp=sp: on_grad_accumulated(sp))
-            sp.unsharded_param = up
+        if self.transport.local:  # [Note: a shard group of one rank]
+            self.unsharded_buf, self._regions = None, []
+            self._aliased = [sp.local for sp in self.layout]
+            for sp, local in zip(self.layout, self._aliased):
+                self._make_unsharded(sp, local, on_grad_accumulated)
+        else:
+            self.unsharded_buf = torch.empty(
+                self.world * self.total, dtype=dtype, device=self.device
+            )
+            self._regions = self._make_regions()
+            for sp, region in zip(self.layout, self._regions):
+                self._make_unsharded(sp, sp.unsharded_view(region), on_grad_accumulated)
         self._release()
         self._layout_key = key
 
@@ -206,6 +217,51 @@ class ParamGroup:
             by_mesh.setdefault(id(sp.info), []).append(sp)
         own = by_mesh.pop(id(self.info), [])
         return own, list(by_mesh.values())
+
+    @staticmethod
+    def _make_unsharded(
+        sp: ShardedParam, data: torch.Tensor, on_grad_accumulated: Callable[[ShardedParam], None]
+    ) -> None:
+        up = nn.Parameter(data, requires_grad=sp.requires_grad)
+        if sp.requires_grad:
+            up.register_post_accumulate_grad_hook(lambda _p, sp=sp: on_grad_accumulated(sp))
+        sp.unsharded_param = up
+
+    def _aliasable(self) -> bool:
+        """Whether this unit's unsharded parameters can be its shards themselves.
+
+        [Note: a shard group of one rank]
+        With one rank in the shard group (world size 1, or ``mesh`` of size 1) each shard is
+        the whole parameter. When the unsharded form would hold the same values in the same
+        dtype on the same device (no ``param_dtype`` or reduce dtype other than the
+        parameters', no offload, no wire dtype, no replicas to all-reduce with, no
+        tensor-parallel or all-gather-extension parameters), the unit's transport is
+        ``local``: each unsharded ``nn.Parameter`` is created once as an alias of its shard's
+        local tensor (same storage and version counter), so gathering is a no-op and
+        resharding frees nothing; the modules still swap between the sharded ``DTensor`` and
+        the plain alias (users and optimizers see ``DTensor`` parameters, the module computes
+        on plain tensors). The gradient autograd accumulates on the alias becomes the sharded
+        gradient as it is (divided by ``gradient_divide_factor`` if one is set): no packing,
+        no collective, no copy (``fullshard.reduce.hand_out_local``). A shard replaced after
+        lazy init (``to_empty``, a ``swap_tensors`` conversion) is re-aliased on the next
+        unshard. The memory planner models the same choice (``select_transport``).
+        """
+        dtype = self.compute_dtype()
+        cp = self.comm_policy
+        return (
+            self.world == 1
+            and self.info.replicate_size == 1
+            and not self.offloaded
+            and self.extended is None
+            and self.overrides.allows_local()
+            and self.accum_dtype() == dtype
+            and cp.all_gather_dtype in (None, dtype)
+            and cp.reduce_dtype in (None, dtype)
+            and all(
+                sp.tp_mesh is None and sp.orig_dtype == dtype and sp.local.device == self.device
+                for sp in self.layout
+            )
+        )
 
     def _split_by_dtype(
         self, params: list[ShardedParam]
@@ -271,6 +327,8 @@ class ParamGroup:
 
     def _release(self) -> None:
         """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes."""
+        if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
+            return
         if self.unsharded_buf is not None:
             self.unsharded_buf.untyped_storage().resize_(0)
         for sp in self.layout:
@@ -296,12 +354,28 @@ class ParamGroup:
         """Issue the all-gather of this unit's parameters (no-op if unsharded or in flight)."""
         if not self.params or self.state in (ShardedState.UNSHARDED, ShardedState.UNSHARDING):
             return
-        self._gather = start_gather(self) if self.layout else None
+        if self.transport.local:
+            self._realias()
+            self._gather = None
+        else:
+            self._gather = start_gather(self) if self.layout else None
         if self.extended is not None:
             self.extended.start(self)
         for child in self.subgroups:
             child.unshard()
         self._to(ShardedState.UNSHARDING)
+
+    def _realias(self) -> None:
+        """Local transport: point the unsharded parameters at the current shards (a shard
+        replaced after lazy init, e.g. by ``to_empty``, is re-aliased; see the Note)."""
+        emit("gather_issue", self.name, "local")
+        for i, sp in enumerate(self.layout):
+            local = sp.local
+            if local is not self._aliased[i]:
+                self.check_materialised()
+                assert sp.unsharded_param is not None
+                sp.unsharded_param.data = local
+                self._aliased[i] = local
 
     def wait_for_unshard(self) -> None:
         """Finish the all-gather (issuing it if needed) and expose the unsharded parameters."""
@@ -374,7 +448,7 @@ class ParamGroup:
         self._grads_seen += 1
         if self.overrides.reduce_scatter_unused_params:
             return False
-        return self._grads_seen == sum(1 for sp in self.params if sp.requires_grad)
+        return self._grads_seen == self._grads_expected
 
     def reduce_grads(self) -> list[PendingReduce]:
         """Post-backward: take the gradients, reshard, then reduce-scatter them.
@@ -390,7 +464,15 @@ class ParamGroup:
         ready = [(g, collect_grads(g)) for g in groups]
         if self.reshard_after_backward:
             self.reshard()
-        return [start_reduce(g, grads) for g, grads in ready if grads]
+        pending = []
+        for g, grads in ready:
+            if not grads:
+                continue
+            if g.transport.local:  # [Note: a shard group of one rank]
+                hand_out_local(g, grads)
+            else:
+                pending.append(start_reduce(g, grads))
+        return pending
 
     def reset_iter_state(self) -> None:
         """After an aborted forward/backward: sharded, nothing in flight, no gradient kept.

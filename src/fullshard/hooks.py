@@ -142,16 +142,23 @@ class FSDPState:
         ctx = self._context()
         emit("forward_end", self.name)
         self._post_forward_calls += 1
+        # A local unit ([Note: a shard group of one rank] in fullshard.group) frees nothing by
+        # resharding: it stays unsharded until its backward is done (as reshard_after_forward
+        # False), and needs no pre-backward hook (nothing to gather; its parameters'
+        # post-accumulate-grad hooks queue the end-of-backward callback).
+        local = self.group.transport.local
         if self._post_forward_calls >= len(self.modules):
             self._post_forward_calls = 0
             ctx.record_post_forward(self)
-            if not torch.is_grad_enabled() or self.reshard_policy is True:
-                self.group.reshard()  # no grad: no backward will come for this forward
-            elif self.reshard_policy is not False:
+            if not torch.is_grad_enabled():
+                self.group.reshard()  # no backward will come for this forward
+            elif self.reshard_policy is True and not local:
+                self.group.reshard()
+            elif self.reshard_policy is not False and not local:
                 self.group.reshard_partial()
             if self.training_state is TrainingState.FORWARD:
                 self.training_state = TrainingState.IDLE
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not local:
             tensors, _ = tree_flatten(output)
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -186,6 +193,7 @@ class FSDPState:
     def post_backward(self) -> None:
         """All of the unit's gradients are ready: reshard and reduce-scatter them."""
         ctx = self._context()
+        ctx.ensure_end_of_backward_callback()  # a local unit has no pre-backward hook
         # Finish the previous unit's reduction first (it has had this unit's whole backward to
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).

@@ -83,6 +83,17 @@ def _check_comm(comm: object, method: str) -> None:
         )
 
 
+def _check_collectives(state: FSDPState, method: str) -> None:
+    """A one-rank unit initialised without collectives (the ``local`` transport, see
+    [Note: a shard group of one rank]) cannot start running them: say when to call."""
+    if state.group.transport.local:
+        raise RuntimeError(
+            f"{method} on unit {state.group.name!r}: its shard group has one rank and it was "
+            "initialised (at the first forward) without collectives, so there is nothing to "
+            f"customise now; call {method} before the first forward"
+        )
+
+
 def _on_cpu_group(state: FSDPState) -> bool:
     return state.group.device.type == "cpu"
 
@@ -248,6 +259,8 @@ class FSDPModule(_TorchFSDPModule):
         [Note: unused parameters] in ``fullshard.reduce``).
         """
         for st in self._states(recurse):
+            if reduce_scatter_unused_params:
+                _check_collectives(st, "set_reduce_scatter_unused_params(True)")
             st.group.overrides.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(
@@ -322,6 +335,7 @@ class FSDPModule(_TorchFSDPModule):
                 f"set_all_reduce_hook(stream=...) on unit {state.name!r}: stream cannot be set "
                 f"when using HSDP (the hook follows the replicas' all-reduce)"
             )
+        _check_collectives(state, "set_all_reduce_hook")
         state.group.overrides.all_reduce_hook = hook
         state.group.overrides.hook_stream = stream
 
@@ -391,7 +405,9 @@ class FSDPModule(_TorchFSDPModule):
         async_op=)``, which returns a Work (or ``None`` once done). The unit then gathers
         packed (one buffer, see ``fullshard.transport``)."""
         _check_comm(comm, "set_custom_all_gather")
-        _state(cast(nn.Module, self)).group.overrides.all_gather = comm
+        state = _state(cast(nn.Module, self))
+        _check_collectives(state, "set_custom_all_gather")
+        state.group.overrides.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
         """Run this unit's gradient reduce-scatters through ``comm`` (torch's
@@ -400,7 +416,9 @@ class FSDPModule(_TorchFSDPModule):
         op=ReduceOp.SUM, async_op=)`` (fullshard divides separately). The unit then reduces
         packed."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        _state(cast(nn.Module, self)).group.overrides.reduce_scatter = comm
+        state = _state(cast(nn.Module, self))
+        _check_collectives(state, "set_custom_reduce_scatter")
+        state.group.overrides.reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate NCCL staging buffers from the process group's allocator (NCCL only)."""

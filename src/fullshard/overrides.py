@@ -79,6 +79,16 @@ class CommOverrides:
     max_input_buffers: int = 1
     reduce_scatter_group: dist.ProcessGroup | None = None
 
+    def allows_local(self) -> bool:
+        """Whether a one-rank unit may skip its collectives (the ``local`` transport): not when
+        a custom collective, the all-reduce hook or unused-parameter reduction must run."""
+        return (
+            self.all_gather is None
+            and self.reduce_scatter is None
+            and self.all_reduce_hook is None
+            and not self.reduce_scatter_unused_params
+        )
+
 
 def allocate(
     comm: _Allocates | None, numel: int, dtype: torch.dtype, device: torch.device

@@ -47,13 +47,13 @@ import torch.distributed as dist
 from . import collectives as C
 from .events import emit
 from .overrides import CommOverrides, allocate, run_hook
-from .param import ShardedParam
+from .param import ShardedParam, _dtensor_like
 
 if TYPE_CHECKING:
     from .group import ParamGroup
     from .streams import CommStreams
 
-__all__ = ["PartialReduce", "PendingReduce", "collect_grads", "start_reduce"]
+__all__ = ["PartialReduce", "PendingReduce", "collect_grads", "hand_out_local", "start_reduce"]
 
 
 @dataclass
@@ -293,3 +293,23 @@ def _reduce_in_pieces(
     with g.streams.use("reduce"):
         handle = C.reduce_scatter_pieces(pieces, outputs, g.reduce_group, nbytes=nbytes, what=what)
     return handle, out, flats
+
+
+def hand_out_local(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+    """Local transport (one rank, unsharded parameters alias the shards): each gradient is
+    its shard's gradient as it is (see [Note: a shard group of one rank] in
+    ``fullshard.group``); empties ``ready``."""
+    factor = g.gradient_divide_factor
+    if factor is None or g.force_sum_reduction:
+        factor = 1.0  # the mean over one rank
+    emit("reduce_issue", g.name, "local")
+    with torch.no_grad():
+        for sp, grad in ready:
+            if factor != 1.0:
+                grad.div_(factor)  # autograd's accumulated tensor: nobody else holds it
+            param = sp.sharded_param
+            if param.grad is None:  # the shard's gradient is this tensor (no view, no copy)
+                param.grad = _dtensor_like(grad, param)
+            else:
+                sp.make_grad(grad)
+    ready.clear()

@@ -13,6 +13,10 @@ Two ways to move a unit's bytes, with the same results:
   (``python benchmarks/collectives.py``); where a unit needs packing (int8 wire, fp16
   pre-division, a reduce dtype other than the gradients') it packs for that collective.
 
+A unit whose shard group is one rank (and whose gathered and stored forms agree: same dtype,
+no offload, no replicas, no wire dtype) moves nothing at all: its transport is ``local``
+(see [Note: a shard group of one rank] in ``fullshard.group``).
+
 ``auto`` keeps what measured best: on gloo (CPU tensors), for units of at least
 ``collectives.P2P_MIN_BYTES`` (512 KiB unsharded; below it a message's round trip costs more
 than the copies saved), gathers in pieces up to 8 ranks and reductions in pieces on 2 ranks
@@ -41,10 +45,14 @@ class Transport:
     requested: str  # what the CommPolicy asked for: auto | packed | p2p
     gathers_in_pieces: bool
     reduces_in_pieces: bool
+    # One rank, nothing to move: the unsharded parameters alias the shards.
+    local: bool = False
 
     @property
     def name(self) -> str:
-        """``packed``, ``p2p`` or ``mixed`` (gathers in pieces, reductions packed)."""
+        """``local``, ``packed``, ``p2p`` or ``mixed`` (gathers in pieces, reductions packed)."""
+        if self.local:
+            return "local"
         if self.gathers_in_pieces and self.reduces_in_pieces:
             return "p2p"
         if not self.gathers_in_pieces and not self.reduces_in_pieces:
@@ -53,16 +61,26 @@ class Transport:
 
 
 def select_transport(
-    requested: str, backend: str, device_type: str, shard_size: int, unit_bytes: int
+    requested: str,
+    backend: str,
+    device_type: str,
+    shard_size: int,
+    unit_bytes: int,
+    *,
+    aliasable: bool = False,
 ) -> Transport:
     """The transport for a unit of ``unit_bytes`` (its unsharded size) sharded over
     ``shard_size`` ranks of a ``backend`` group.
 
+    ``aliasable``: the unit's unsharded parameters could be its shards themselves (same dtype,
+    same device, no replicas, no wire dtype); with one rank the transport is then ``local``.
     A pure function of its arguments (no process group needed), so the memory planner models
     exactly what the engine will run.
     """
     if requested not in TRANSPORTS:
         raise ValueError(f"CommPolicy.transport must be one of {TRANSPORTS}, got {requested!r}")
+    if shard_size == 1 and aliasable:
+        return Transport(requested, False, False, local=True)
     if requested == "packed" or shard_size == 1:
         return Transport(requested, False, False)
     if requested == "p2p":
@@ -77,9 +95,16 @@ def select_transport(
 
 
 def transport_for_group(
-    requested: str, group: dist.ProcessGroup, device_type: str, shard_size: int, unit_bytes: int
+    requested: str,
+    group: dist.ProcessGroup,
+    device_type: str,
+    shard_size: int,
+    unit_bytes: int,
+    *,
+    aliasable: bool = False,
 ) -> Transport:
     """:func:`select_transport` for a live process group."""
+    backend = str(dist.get_backend(group))
     return select_transport(
-        requested, str(dist.get_backend(group)), device_type, shard_size, unit_bytes
+        requested, backend, device_type, shard_size, unit_bytes, aliasable=aliasable
     )

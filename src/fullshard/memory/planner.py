@@ -80,17 +80,24 @@ class EngineModel:
     transport: tuple[str, str] | None = None
     """fullshard only: ``(backend, device type)``. The unit's transport is then what the
     engine itself selects (``fullshard.transport.select_transport``), which sets
-    ``copy_out`` and ``reduce_from_grads`` for the plan's shard-group size."""
+    ``copy_out``, ``reduce_from_grads`` and ``aliases`` for the plan's shard-group size."""
+    aliases: bool = False
+    """The unit's unsharded parameters are its shards (fullshard's ``local`` transport on one
+    rank): gathering allocates nothing and each gradient becomes its shard's gradient."""
 
-    def for_unit(self, shard_size: int, unit_bytes: int) -> EngineModel:
+    def for_unit(self, shard_size: int, unit_bytes: int, *, aliasable: bool = False) -> EngineModel:
         """This model for one unit of ``unit_bytes`` (unsharded) over ``shard_size`` ranks:
-        with the transport the engine itself would pick for it."""
+        with the transport the engine itself would pick for it (``aliasable``: see
+        ``select_transport``)."""
         if self.transport is None:
             return self
         backend, device = self.transport
-        t = select_transport("auto", backend, device, shard_size, unit_bytes)
+        t = select_transport("auto", backend, device, shard_size, unit_bytes, aliasable=aliasable)
         return dataclasses.replace(
-            self, copy_out=not t.gathers_in_pieces, reduce_from_grads=t.reduces_in_pieces
+            self,
+            copy_out=not (t.gathers_in_pieces or t.local),
+            reduce_from_grads=t.reduces_in_pieces,
+            aliases=t.local,
         )
 
 
@@ -450,8 +457,12 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
     host = "host:" if spec.offload else ""
     shard = sum(u.shard_numel for u in units) * f32
     n_states = _OPT_STATES[spec.optimizer]
-    gathered = [u.padded_numel * pbytes for u in units]
-    per_unit = [eng.for_unit(spec.shard_size, g) for g in gathered]  # each unit's transport
+    unit_bytes = [u.padded_numel * pbytes for u in units]
+    # The engine aliases a unit's unsharded parameters to its shards when the two would be the
+    # same tensors: one rank, compute in the masters' dtype, no offload, no replicas.
+    aliasable = spec.param_dtype == torch.float32 and not spec.offload and spec.world_size == 1
+    per_unit = [eng.for_unit(spec.shard_size, b, aliasable=aliasable) for b in unit_bytes]
+    gathered = [0 if e.aliases else b for e, b in zip(per_unit, unit_bytes)]  # new bytes held
     n = len(units)
     orders = {"forward": list(range(n)), "backward": [0] + list(range(n - 1, 0, -1))}
     reduced: set[int] = set()  # units whose gradients are already reduced (sharded)
@@ -507,10 +518,10 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             send = u.padded_numel * pbytes
             if per_unit[seg.unit].reduce_from_grads and spec.param_dtype != torch.float16:
                 send = 0
-            ev = dict(
-                base,
-                **{"gathered units": gath, "comm buffers": pending + send + u.shard_numel * f32},
-            )
+            out = u.shard_numel * f32
+            if per_unit[seg.unit].aliases:  # the gradients are the shards' gradients
+                send = out = 0
+            ev = dict(base, **{"gathered units": gath, "comm buffers": pending + send + out})
             ev.update(
                 {
                     "activations": seg.reduce_at - seg.reduce_grads,
