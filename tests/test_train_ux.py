@@ -70,13 +70,17 @@ def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
 
 
 def test_help_and_argument_errors_do_not_import_torch(tmp_path: Path) -> None:
-    """What makes ``--help`` take seconds is importing torch; none of these may."""
+    """What makes ``--help`` take seconds is importing torch; none of these may (every
+    subcommand's help, and argument errors of each)."""
     script = """
 import contextlib, io, sys
 from fullshard.cli import main
 cases = [["--help"], ["train", "--help"], ["train", "--preset", "tiny", "--help"],
          ["train", "--max-steps", "-1"], ["train", "--max-stepz", "3"], ["bench", "--help"],
-         ["bench", "--steps", "-2"], ["train", "--preset", "tiny", "--nproc", "3"]]
+         ["bench", "--steps", "-2"], ["train", "--preset", "tiny", "--nproc", "3"],
+         ["plan", "--help"], ["plan", "--world-size", "two"], ["plan", "--engine", "nope"],
+         ["ckpt", "--help"], ["ckpt", "export", "--help"], ["ckpt", "inspect"],
+         ["ckpt", "export", "run"], ["ckpt", "export", "run", "--max-shard-size", "5QB"]]
 for argv in cases:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
@@ -91,7 +95,7 @@ for argv in cases:
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 8 and all(line.endswith("-> []") for line in lines), proc.stdout
+    assert len(lines) == 16 and all(line.endswith("-> []") for line in lines), proc.stdout
 
 
 # ---------------------------------------------------------------- help, TOML, bench flags
