@@ -24,15 +24,9 @@ from reliability_helpers import (
     fullshard,
     record,
     tiny_args,
-    write_corpus,
 )
 
 STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
 
 
 @pytest.fixture(scope="module")

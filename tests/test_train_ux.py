@@ -28,7 +28,7 @@ from fullshard.checkpoint import CheckpointCorruptedError, CheckpointMismatchErr
 from fullshard.train import failures
 from fullshard.train.cli import parse_config
 from fullshard.train.config import ConfigError, to_toml
-from reliability_helpers import env, save_train_checkpoint, write_corpus
+from reliability_helpers import env, save_train_checkpoint
 
 LLAMA = json.dumps(
     {
@@ -41,20 +41,6 @@ LLAMA = json.dumps(
         "vocab_size": 256,
     }
 )
-
-
-@pytest.fixture
-def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    calls: list[object] = []
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: calls.append(a) or 0)
-    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    return calls
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
 
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -179,7 +179,7 @@ def _run_as_worker(cfg: TrainConfig) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     fresh = failures.attempt_number() == 0
     try:
-        checks.validate(cfg, world_size=world, fresh_launch=fresh and rank == 0)
+        checks.commit(cfg, checks.validate(cfg, world_size=world, fresh_launch=fresh and rank == 0))
     except ConfigError as e:
         if rank == 0:
             print(f"fullshard train: error: {e}", file=sys.stderr)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if nproc < 1:
             raise ConfigError("no GPU visible for --device cuda; use --device cpu")
-        checked = checks.validate(cfg, world_size=nproc)
+        checked = checks.commit(cfg, checks.validate(cfg, world_size=nproc))
     except ConfigError as e:
         print(f"fullshard train: error: {e}", file=sys.stderr)
         return 2
