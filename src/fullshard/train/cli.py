@@ -177,12 +177,16 @@ def _run_as_worker(cfg: TrainConfig) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    refused = failures.exit_if_restart_refused()  # [Note: no restart under a bare torchrun]
+    if refused is not None:
+        return refused
     fresh = failures.attempt_number() == 0
     try:
         checks.commit(cfg, checks.validate(cfg, world_size=world, fresh_launch=fresh and rank == 0))
     except ConfigError as e:
         if rank == 0:
             print(f"fullshard train: error: {e}", file=sys.stderr)
+        failures.refuse_restarts(" ".join(str(e).split()), rank=rank)
         return 2
     env = init_distributed(cfg)
     import torch.distributed as dist
