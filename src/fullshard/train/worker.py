@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     # record: the agent then reports this rank's traceback as the root cause of a failure
-    return int(record(cli_main)(args))
+    return record(cli_main)(args) or 0
 
 
 if __name__ == "__main__":
