@@ -164,7 +164,19 @@ def render(rows: list[dict[str, Any]], outcomes: dict[str, tuple[str, float]], c
         "restart (it would replay the same steps).",
         "- `--resume PATH` is checked before launch: a complete checkpoint, file headers that "
         "match its manifest, optimizer and data-order state present, tensors that fit the "
-        "model (names and shapes). Block checksums are verified as the ranks load.",
+        "model (names and shapes). Block checksums are verified as the ranks load. "
+        "`--resume auto` checks the newest checkpoint the same way (one of another model is "
+        "refused, a damaged one is skipped for the newest intact one).",
+        "- The checks write nothing: a refused command leaves the run directory as it was; "
+        "the directory, `config.toml` and the tokenized-data cache are written once every "
+        "check has passed.",
+        "- A failure a restart would only repeat (a checkpoint that does not fit, or is damaged "
+        "with no intact one left; no space left on the device; permission denied) stops the "
+        "job at once with exit 1 and one `fullshard train: error: ...` line naming the cause "
+        "and the fix; the ranks' tracebacks go to `RUN_DIR/logs/`. Under a bare `torchrun`, "
+        "whose agent restarts after any failure, the failing rank leaves a stop marker for its "
+        "torchrun invocation and the restarted ranks exit at once with the same line "
+        "([Note: no restart under a bare torchrun] in `src/fullshard/train/failures.py`).",
         "",
         f"## Bad input ({sum(r['ok'] for r in by['inputs'])} of {len(by['inputs'])} refused "
         "with a clear error, before any process was spawned)",

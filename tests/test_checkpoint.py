@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import fullshard.checkpoint as ckpt
 from fullshard import CPUOffloadPolicy
 from fullshard.checkpoint import saving
-from fullshard.checkpoint.cli import export, main
+from fullshard.checkpoint.cli import main
+from fullshard.checkpoint.export import export
 from fullshard.testing import run_distributed
 from test_checkpoint_models import (
     TinyNet,

@@ -26,6 +26,7 @@ N_TENSORS, ROWS, COLS = 8, 2048, 2048  # 8 x 16 MiB float32 = 128 MiB model
 
 _PROBE = """
 import re, sys
+import fullshard.checkpoint.export  # (and torch) which main imports once its flags are parsed
 from fullshard.checkpoint.cli import main
 
 def status(key):

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-import fullshard.train.launch as launch_mod
 from doc_commands import ROOT, docs, documented_commands
 from fullshard.train import cli
 from fullshard.train import data as data_mod
@@ -38,15 +37,6 @@ def test_the_docs_show_the_commands_this_test_runs() -> None:
     shown = {" ".join(argv) for _, _, argv, _ in documented_commands()}
     assert {"", "--help", "--preset tiny --nproc 4", "--preset tiny --nproc 3"} <= shown, shown
     assert any("--hf-config" in s for s in shown), shown
-
-
-@pytest.fixture
-def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    calls: list[object] = []
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: calls.append(a) or 0)
-    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    return calls
 
 
 def test_every_documented_command_passes_its_checks_or_fails_as_documented(

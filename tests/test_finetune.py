@@ -223,6 +223,45 @@ def test_tensorboard_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -
         checks.validate(cfg, world_size=2)
 
 
+def _files(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (``None`` for a directory)."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_checks_write_nothing_and_the_run_caches_the_tokens(
+    hf_dir: Path, tmp_path: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command the pre-launch checks refuse -- here, after tokenizing --data, because the
+    run directory holds another model's checkpoint -- leaves that directory byte for byte as
+    it was; a command they accept has its tokens cached before the launch."""
+    from fullshard import cli
+    from fullshard.train import checks
+    from fullshard.train.cli import parse_config
+    from fullshard.train.config import to_toml
+    from reliability_helpers import save_train_checkpoint
+
+    hf_local.write_chat_jsonl(tmp_path / "chat.jsonl", 400)
+    run_dir = tmp_path / "gpt-run"
+    save_train_checkpoint(run_dir / "checkpoints" / "step_00000010", step=10)
+    (run_dir / "config.toml").write_text(to_toml(parse_config(["--run-dir", str(run_dir)])))
+    before = _files(run_dir)
+    args = ["train", "--preset", "tiny", "--hf-model", str(hf_dir)]
+    args += ["--seq-len", str(SEQ), "--data", str(tmp_path / "chat.jsonl")]
+    assert cli.main([*args, "--run-dir", str(run_dir)]) == 2
+    assert "holds checkpoints of another model" in capsys.readouterr().err
+    assert _files(run_dir) == before and no_launch == []
+
+    fresh = tmp_path / "runs" / "llama"
+    checked = checks.validate(parse_config([*args[1:], "--run-dir", str(fresh)]), world_size=2)
+    assert checked.data_cache is not None and not fresh.parent.exists()  # probed, not created
+    assert cli.main([*args, "--run-dir", str(fresh)]) == 0 and len(no_launch) == 1
+    assert sorted(p.name for p in (fresh / "data_cache").iterdir())[-1].endswith(".tokens.npy")
+    assert {"config.toml", "checkpoints", "data_cache"} == {p.name for p in fresh.iterdir()}
+
+
 def test_export_hf_loads_with_from_pretrained(
     finetuned: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -24,15 +24,9 @@ from reliability_helpers import (
     fullshard,
     record,
     tiny_args,
-    write_corpus,
 )
 
 STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +265,55 @@ def test_damaged_newest_checkpoint_falls_back_then_disk_full_stops_at_once(
         "Disk full during a save",
         "rank 1's write of the step 20 checkpoint fails with ENOSPC; --max-restarts 1",
         f"job stopped at once (exit 1, no restart), nothing published; last line: {last}",
+        True,
+        seconds=round(seconds, 1),
+    )
+
+
+def test_bare_torchrun_does_not_retry_a_full_disk(corpus: Path, tmp_path: Path) -> None:
+    """Under torchrun itself (no ``fullshard train`` launcher), ``--max-restarts 1``: the save
+    of step 1 fails with ENOSPC on rank 1 in every attempt. The agent restarts the group as it
+    always does, but the restarted ranks find the stop marker of attempt 0 and exit at once
+    with the same one-line error: no second training start, no second save attempt. See
+    [Note: no restart under a bare torchrun] in fullshard/train/failures.py."""
+    import subprocess
+    import sys
+    import time
+
+    from reliability_helpers import env
+
+    run_dir = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2", "--max-restarts", "1", "-m", "fullshard.train.worker"]
+    args = tiny_args(corpus, run_dir, 1, "--ckpt-every", "1")[1:]  # the worker takes train's flags
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*torchrun, *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=env(FULLSHARD_FAULT="enospc_in_save@step=1,rank=1,attempt=*"),
+    )
+    seconds = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    errors = [line for line in proc.stderr.splitlines() if "fullshard train: error: " in line]
+    assert len(errors) == 2, out  # attempt 0: rank 1's; attempt 1: local rank 0's
+    first, again = errors
+    assert first.startswith("fullshard train: error: No space left on device"), out
+    assert again.endswith("(rank 1, attempt 0; not retried: it would fail the same way)"), out
+    assert first.split("error: ")[1].split(" (traceback")[0] in again, out
+    assert [(f["kind"], f["attempt"]) for f in _faults(run_dir)] == [("enospc_in_save", 0)]
+    starts = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "start"]
+    assert len(starts) == 1, starts  # attempt 1 never started training
+    record(
+        "faults",
+        "Disk full under a bare torchrun",
+        "torchrun --max-restarts 1 -m fullshard.train.worker; rank 1's save fails with ENOSPC "
+        "in every attempt",
+        "attempt 0 stops with one error line; the agent's restart exits at once (stop marker "
+        f"of attempt 0), before any work; its line: {again.strip()}",
         True,
         seconds=round(seconds, 1),
     )

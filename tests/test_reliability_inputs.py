@@ -27,23 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-import fullshard.train.launch as launch_mod
 from fullshard import cli
-from reliability_helpers import fullshard, record, save_train_checkpoint, write_corpus
-
-
-@pytest.fixture
-def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    calls: list[object] = []
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: calls.append(a) or 0)
-    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    return calls
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
+from reliability_helpers import fullshard, record, save_train_checkpoint
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -87,11 +72,15 @@ BAD_FLAGS: list[tuple[str, list[str], list[str]]] = [
         ["--global-batch 8", "3 x 2 = 6", "use --global-batch 12"],
     ),
     ("batch not divisible by micro", ["--micro-batch", "3"], ["2 x 3 = 6", "--global-batch 12"]),
-    ("run dir under a file", ["--run-dir", "{tmp}/file/run"], ["--run-dir", "not writable"]),
+    (
+        "run dir under a file",
+        ["--run-dir", "{tmp}/file/run"],
+        ["--run-dir", "cannot be created in", "file (a file, not a directory)"],
+    ),
     (
         "run dir on a read-only fs",
         ["--run-dir", "/proc/fullshard-run"],
-        ["--run-dir", "not writable"],
+        ["--run-dir", "cannot be created in /proc"],
     ),
     ("--resume not a checkpoint", ["--resume", "{tmp}"], ["--resume", "not a complete checkpoint"]),
     ("no GPU for --device cuda", ["--device", "cuda"], ["--device cuda", "--device cpu"]),

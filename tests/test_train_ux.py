@@ -28,7 +28,7 @@ from fullshard.checkpoint import CheckpointCorruptedError, CheckpointMismatchErr
 from fullshard.train import failures
 from fullshard.train.cli import parse_config
 from fullshard.train.config import ConfigError, to_toml
-from reliability_helpers import env, save_train_checkpoint, write_corpus
+from reliability_helpers import env, save_train_checkpoint
 
 LLAMA = json.dumps(
     {
@@ -41,20 +41,6 @@ LLAMA = json.dumps(
         "vocab_size": 256,
     }
 )
-
-
-@pytest.fixture
-def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    calls: list[object] = []
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: calls.append(a) or 0)
-    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    return calls
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
 
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -70,13 +56,17 @@ def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
 
 
 def test_help_and_argument_errors_do_not_import_torch(tmp_path: Path) -> None:
-    """What makes ``--help`` take seconds is importing torch; none of these may."""
+    """What makes ``--help`` take seconds is importing torch; none of these may (every
+    subcommand's help, and argument errors of each)."""
     script = """
 import contextlib, io, sys
 from fullshard.cli import main
 cases = [["--help"], ["train", "--help"], ["train", "--preset", "tiny", "--help"],
          ["train", "--max-steps", "-1"], ["train", "--max-stepz", "3"], ["bench", "--help"],
-         ["bench", "--steps", "-2"], ["train", "--preset", "tiny", "--nproc", "3"]]
+         ["bench", "--steps", "-2"], ["train", "--preset", "tiny", "--nproc", "3"],
+         ["plan", "--help"], ["plan", "--world-size", "two"], ["plan", "--engine", "nope"],
+         ["ckpt", "--help"], ["ckpt", "export", "--help"], ["ckpt", "inspect"],
+         ["ckpt", "export", "run"], ["ckpt", "export", "run", "--max-shard-size", "5QB"]]
 for argv in cases:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
@@ -91,7 +81,7 @@ for argv in cases:
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 8 and all(line.endswith("-> []") for line in lines), proc.stdout
+    assert len(lines) == 16 and all(line.endswith("-> []") for line in lines), proc.stdout
 
 
 # ---------------------------------------------------------------- help, TOML, bench flags
@@ -291,3 +281,46 @@ def test_a_rank_failure_is_logged_and_reported_once(
         failures.rank_failed(e, run_dir=run_dir, rank=0, launched=True)
     fatal, message = launch_mod._cause(group_failed(r0=1, r1=-9), run_dir, since=0)
     assert not fatal and message.startswith("rank 0 failed: RuntimeError: rank 0: all_gather")
+
+
+def test_a_deterministic_failure_under_a_bare_torchrun_ends_its_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a rank of a bare torchrun job: a refused config (or a deterministic failure) in
+    attempt 0 makes every later attempt of the same agent end at once with the same line;
+    another torchrun invocation is not affected (see [Note: no restart under a bare
+    torchrun]). The torchrun run itself is in test_reliability_faults.py."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the stop marker goes
+    monkeypatch.delenv(failures.LAUNCHER_ENV, raising=False)
+    torchrun_env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "a"}
+    for var, value in torchrun_env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    argv = ["train", "--preset", "tiny", "--data", str(tmp_path / "nope.txt")]
+    argv += ["--run-dir", str(tmp_path / "run")]
+    rc, _, err = _main(argv, capsys)
+    assert rc == 2 and "nope.txt' does not exist" in err, err
+    cause = err.removeprefix("fullshard train: error: ").strip()
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the agent's restart
+    rc, _, err = _main(argv, capsys)
+    assert rc == failures.FATAL_EXIT, err
+    assert (
+        err == f"fullshard train: error: {cause} (rank 0, attempt 0; not retried: it would "
+        "fail the same way)\n"
+    )
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b")  # another invocation: checked afresh
+    rc, _, err = _main(argv, capsys)
+    assert rc == 2 and "not retried" not in err and "does not exist" in err
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "c")  # a failure during training does the same
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "ckpt"))
+    except OSError as e:
+        assert failures.rank_failed(e, run_dir=tmp_path, rank=1, launched=False) == 3
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    refused = failures.restart_refused()
+    assert refused is not None and refused.startswith("Permission denied") and "rank 1" in refused

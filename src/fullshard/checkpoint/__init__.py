@@ -10,20 +10,51 @@ Public API (see ``docs/checkpoint-format.md`` for the on-disk format):
   :func:`load_full_state_dict_from_file`: full (unsharded) weights in and out.
 - :func:`rng_state_to_json` / :func:`rng_state_from_json`: RNG states for ``extra``.
 - :class:`CheckpointReader`: read any tensor of a checkpoint (used by ``fullshard ckpt``).
+
+The names are imported on first use (PEP 562), as in :mod:`fullshard`: ``fullshard ckpt
+--help`` and its argument errors run without importing torch.
 """
 
-from .durability import clean_partial, latest_checkpoint, list_checkpoints, rotate
-from .full_state_dict import (
-    get_full_state_dict,
-    load_full_state_dict,
-    load_full_state_dict_from_file,
-)
-from .loading import load
-from .manager import CheckpointManager
-from .manifest import CheckpointCorruptedError, CheckpointError, CheckpointMismatchError
-from .reader import CheckpointReader
-from .rng import rng_state_from_json, rng_state_to_json
-from .saving import SaveHandle, save, wait_for_pending_save
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .durability import clean_partial, latest_checkpoint, list_checkpoints, rotate
+    from .full_state_dict import (
+        get_full_state_dict,
+        load_full_state_dict,
+        load_full_state_dict_from_file,
+    )
+    from .loading import load
+    from .manager import CheckpointManager
+    from .manifest import CheckpointCorruptedError, CheckpointError, CheckpointMismatchError
+    from .reader import CheckpointReader
+    from .rng import rng_state_from_json, rng_state_to_json
+    from .saving import SaveHandle, save, wait_for_pending_save
+
+# public name -> the submodule that defines it
+_LAZY = {
+    "clean_partial": "durability",
+    "latest_checkpoint": "durability",
+    "list_checkpoints": "durability",
+    "rotate": "durability",
+    "get_full_state_dict": "full_state_dict",
+    "load_full_state_dict": "full_state_dict",
+    "load_full_state_dict_from_file": "full_state_dict",
+    "load": "loading",
+    "CheckpointManager": "manager",
+    "CheckpointCorruptedError": "manifest",
+    "CheckpointError": "manifest",
+    "CheckpointMismatchError": "manifest",
+    "CheckpointReader": "reader",
+    "rng_state_from_json": "rng",
+    "rng_state_to_json": "rng",
+    "SaveHandle": "saving",
+    "save": "saving",
+    "wait_for_pending_save": "saving",
+}
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -45,3 +76,16 @@ __all__ = [
     "save",
     "wait_for_pending_save",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fullshard.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

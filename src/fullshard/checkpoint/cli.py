@@ -23,17 +23,16 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from .manifest import TensorRecord
 
-from .export import export, export_hf
-from .manifest import CheckpointError, TensorRecord
-from .reader import CheckpointReader
-from .safetensors_io import SafetensorsError
+# Everything that imports torch is imported once the arguments are parsed, so that --help and
+# argument errors take a fraction of a second.
+__all__ = ["inspect", "main"]
 
-__all__ = ["export", "inspect", "main"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch's
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -58,6 +57,8 @@ def _human(n: int) -> str:
 
 def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> int:
     """Print what a checkpoint holds; with ``verify`` check every checksum. Returns 0 if intact."""
+    from .reader import CheckpointReader
+
     reader = CheckpointReader(path)
     m = reader.manifest
     print(f"checkpoint: {reader.path}")
@@ -142,10 +143,16 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "export" and (args.out is None) == (args.hf is None):
         parser.error("export: give an output file OUT.safetensors or --hf DIR (one of them)")
+    import torch
+
+    from .export import export, export_hf
+    from .manifest import CheckpointError
+    from .safetensors_io import SafetensorsError
+
     try:
         if args.command == "inspect":
             return inspect(args.ckpt, verify=not args.no_verify)
-        dtype = _DTYPES[args.dtype] if args.dtype else None
+        dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
         if args.hf is not None:
             model = None
             if args.model_config:

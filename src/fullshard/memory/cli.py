@@ -20,12 +20,17 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from fullshard.memory.engines import ENGINES
 
-from fullshard.memory.planner import ENGINES, Plan, PlanSpec, plan
-from fullshard.models import GPTConfig
+if TYPE_CHECKING:
+    import torch
+
+    from fullshard.memory.planner import Plan, PlanSpec
+
+# The planner (and torch) are imported once the arguments are parsed, so that --help and
+# argument errors take a fraction of a second.
 
 __all__ = ["PRESETS", "Option", "main", "parse_bytes", "recommend"]
 
@@ -157,7 +162,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch's
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, _DTYPES[name])  # type: ignore[no-any-return]
 
 
 def _preset_names() -> list[str]:
@@ -177,6 +188,7 @@ def _mesh(text: str | None) -> tuple[int, int] | None:
 
 def _train_spec(args: argparse.Namespace) -> PlanSpec:
     """The plan of what ``fullshard train`` would run with these flags (one config path)."""
+    from fullshard.memory.planner import PlanSpec
     from fullshard.train import hf
     from fullshard.train.cli import parse_config
     from fullshard.train.config import ConfigError
@@ -204,7 +216,7 @@ def _train_spec(args: argparse.Namespace) -> PlanSpec:
         hf_config=hf_cfg,
         world_size=args.world_size,
         mesh=_mesh(args.mesh),
-        param_dtype=_DTYPES[args.dtype or cfg.mixed_precision],
+        param_dtype=_dtype(args.dtype or cfg.mixed_precision),
         offload=args.offload or cfg.cpu_offload,
         batch=args.batch or cfg.micro_batch,
         seq=seq,
@@ -218,6 +230,8 @@ def _train_spec(args: argparse.Namespace) -> PlanSpec:
 
 
 def _spec(args: argparse.Namespace) -> PlanSpec:
+    from fullshard.memory.planner import PlanSpec
+    from fullshard.models import GPTConfig
     from fullshard.train.presets import PRESETS as TRAIN_PRESETS
 
     if args.config or args.hf_config is not None or args.preset in TRAIN_PRESETS:
@@ -238,7 +252,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
         model=GPTConfig(tie_embeddings=args.tie_embeddings, **fields),
         world_size=args.world_size,
         mesh=_mesh(args.mesh),
-        param_dtype=_DTYPES[args.dtype or "fp32"],
+        param_dtype=_dtype(args.dtype or "fp32"),
         offload=args.offload,
         batch=batch,
         seq=seq,
@@ -262,6 +276,10 @@ class Option:
 
 def recommend(spec: PlanSpec, budget: int) -> list[Option]:
     """Single changes in order of cost (cheapest first), then combinations, with their peaks."""
+    import torch
+
+    from fullshard.memory.planner import plan
+
     r = dataclasses.replace
     cands: list[tuple[str, str, PlanSpec]] = []
     if not spec.reshard_after_forward:
@@ -414,6 +432,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"fullshard plan: {e}", file=sys.stderr)
         return 2
+    from fullshard.memory.planner import plan
+
     libraries_rss = _process_rss()  # before planning allocates anything
     p = plan(spec)
     rss, baseline = expected_rss(p, libraries_rss)

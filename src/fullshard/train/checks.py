@@ -3,13 +3,20 @@
 Each failure is a :class:`ConfigError` whose message names the flag and the fix, so a bad
 command costs a second, not a launch. (Checks a config can do alone are in its
 ``__post_init__``.)
+
+[Note: checks write nothing] A refused command leaves the run directory as it found it: the
+checks create no directory (they probe the nearest existing one), tokenize ``--data`` without
+caching it, and never touch ``config.toml``. What they would have written is done by
+:func:`commit` once every check has passed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,11 +27,12 @@ from fullshard.train import data as data_mod
 from fullshard.train import hf
 from fullshard.train.config import ConfigError, TrainConfig, check_batch
 from fullshard.train.models import count_parameters, vocab_size_of
+from fullshard.train.tokenized import PendingCache, cached_stream
 
 if TYPE_CHECKING:
     from fullshard.checkpoint import CheckpointMismatchError
 
-__all__ = ["Checked", "default_nproc", "uses_cuda", "validate"]
+__all__ = ["Checked", "commit", "default_nproc", "uses_cuda", "validate"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class Checked:
     world_size: int
     n_tokens: int
     n_params: int
+    data_cache: PendingCache | None = field(default=None, repr=False, compare=False)
+    """``--data`` as the checks tokenized it, for :func:`commit` to cache."""
 
 
 def default_nproc(cfg: TrainConfig) -> int:
@@ -93,19 +103,41 @@ def _check_host_memory(cfg: TrainConfig, world: int, n_params: int, vocab: int) 
 
 
 def _check_run_dir(cfg: TrainConfig) -> None:
-    """The run directory and its checkpoints/ can be written (created here, the last check)."""
+    """The run directory and its checkpoints/ can be written, or created: probed in the
+    nearest directory that exists (see [Note: checks write nothing])."""
     run_dir = Path(cfg.resolved_run_dir())
     for where in (run_dir, run_dir / "checkpoints"):
+        existing = where
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
         try:
-            where.mkdir(parents=True, exist_ok=True)
-            probe = where / f".write-test-{uuid.uuid4().hex}"
+            if not existing.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a directory")
+            probe = existing / f".write-test-{uuid.uuid4().hex}"
             probe.write_text("ok")
             probe.unlink()
         except OSError as e:
+            what = f"--run-dir {run_dir}" if where == run_dir else f"--run-dir {run_dir}: {where}"
+            why = "is not writable" if existing == where else f"cannot be created in {existing}"
             raise ConfigError(
-                f"--run-dir {run_dir}: {where} is not writable ({e.strerror or e}); make it "
-                "writable or pick another --run-dir"
+                f"{what} {why} ({e.strerror or e}); make it writable or pick another --run-dir"
             ) from None
+
+
+def commit(cfg: TrainConfig, checked: Checked) -> Checked:
+    """After every check passed: create the run directory and its checkpoints/, and cache the
+    data the checks tokenized. Returns ``checked`` without the data (the launcher keeps no
+    copy of it). ``config.toml`` is the caller's (the launcher's, or rank 0's)."""
+    run_dir = Path(cfg.resolved_run_dir())
+    try:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"--run-dir {run_dir}: cannot create it ({e.strerror or e}); pick another --run-dir"
+        ) from None
+    if checked.data_cache is not None:
+        checked.data_cache.write()
+    return dataclasses.replace(checked, data_cache=None)
 
 
 def _check_resume(cfg: TrainConfig) -> None:
@@ -231,16 +263,21 @@ def _check_model(cfg: TrainConfig, world: int, data_vocab: int) -> int:
     return n_params
 
 
-def _check_data(cfg: TrainConfig) -> tuple[int, int]:
-    """Token count and the largest token id + 1 (256 for text)."""
+def _check_data(cfg: TrainConfig) -> tuple[int, int, PendingCache | None]:
+    """Token count, the largest token id + 1 (256 for text), and the tokenized stream for
+    :func:`commit` to cache (``None`` unless ``--data`` is tokenized)."""
+    pending = None
     try:
-        tokens, _ = data_mod.load_data(
-            cfg.data,
-            data_dtype=cfg.data_dtype,
-            vocab_size=vocab_size_of(cfg),
-            tokenizer=cfg.tokenizer_source,
-            cache_dir=Path(cfg.resolved_run_dir()) / "data_cache",
-        )
+        if data_mod.tokenizes(cfg.data, cfg.tokenizer_source):
+            cache_dir = Path(cfg.resolved_run_dir()) / "data_cache"
+            tokens, mask, key = cached_stream(
+                cfg.data, cfg.tokenizer_source, cache_dir, write=False
+            )
+            pending = PendingCache(cache_dir, key, tokens, mask)
+        else:
+            tokens = data_mod.load_tokens(
+                cfg.data, data_dtype=cfg.data_dtype, vocab_size=vocab_size_of(cfg)
+            )
         source = data_mod.describe_source(cfg.data)
         data_mod.check_size(
             len(tokens), seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction, source=source
@@ -250,15 +287,16 @@ def _check_data(cfg: TrainConfig) -> tuple[int, int]:
     except OSError as e:
         raise ConfigError(f"--data {cfg.data}: cannot read it ({e.strerror or e})") from None
     if tokens.dtype.itemsize == 1:
-        return len(tokens), 256
+        return len(tokens), 256, pending
     top = 0
     for i in range(0, len(tokens), 1 << 26):  # chunked: a .bin can be larger than memory
         top = max(top, int(np.max(tokens[i : i + (1 << 26)])))
-    return len(tokens), top + 1
+    return len(tokens), top + 1, pending
 
 
 def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) -> Checked:
-    """Everything that can be known before spawning; raises :class:`ConfigError`."""
+    """Everything that can be known before spawning; raises :class:`ConfigError`. Writes
+    nothing ([Note: checks write nothing]): :func:`commit` the result before launching."""
     if world_size < 1:
         raise ConfigError(f"--nproc must be at least 1 (0 means automatic), got {world_size}")
     _check_device(cfg, world_size)
@@ -270,9 +308,9 @@ def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) ->
             tensorboard_writer_class()
         except ImportError as e:
             raise ConfigError(str(e)) from None
-    n_tokens, data_vocab = _check_data(cfg)
+    n_tokens, data_vocab, pending = _check_data(cfg)
     n_params = _check_model(cfg, world_size, data_vocab)
     if fresh_launch:
         _check_resume(cfg)
-    _check_run_dir(cfg)  # last: it creates the run directory
-    return Checked(world_size=world_size, n_tokens=n_tokens, n_params=n_params)
+    _check_run_dir(cfg)
+    return Checked(world_size=world_size, n_tokens=n_tokens, n_params=n_params, data_cache=pending)

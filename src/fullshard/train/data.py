@@ -130,14 +130,19 @@ def load_data(
     """(1-D tokens, 1-D uint8 target mask or ``None`` when every target is learned).
 
     With ``tokenizer`` (a local tokenizer directory) the text of ``data`` is tokenized, or read
-    from ``cache_dir``; otherwise :func:`load_tokens`.
+    from ``cache_dir`` (and cached there); otherwise :func:`load_tokens`.
     """
-    if tokenizer and Path(data).suffix != ".bin":  # a .bin is tokenized already
+    if tokenizes(data, tokenizer):
         from fullshard.train.tokenized import cached_stream
 
         tokens, mask, _ = cached_stream(data, tokenizer, cache_dir)
         return tokens, mask
     return load_tokens(data, data_dtype=data_dtype, vocab_size=vocab_size), None
+
+
+def tokenizes(data: str, tokenizer: str) -> bool:
+    """Whether ``--data`` is tokenized with ``tokenizer`` (a ``.bin`` is tokenized already)."""
+    return bool(tokenizer) and Path(data).suffix != ".bin"
 
 
 @dataclass

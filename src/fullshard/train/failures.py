@@ -13,7 +13,22 @@ The launcher (``fullshard train``, see launch.py) reads those records after the 
 stopped: a deterministic failure on any rank ends the job at once with one final
 ``fullshard train: error: ...`` line; anything else (a crash, a killed or hung rank) restarts
 the group, up to ``--max-restarts``. Under a bare ``torchrun`` the ranks print that line
-themselves (rank 0, or the failing rank), since no launcher reads the records.
+themselves (rank 0, or the failing rank), since no launcher reads the records, and the
+restarts that torchrun's agent makes anyway end at once: see [Note: no restart under a bare
+torchrun].
+
+[Note: no restart under a bare torchrun] torchrun's agent restarts the group after any
+failure (``--max-restarts``); nothing a worker does changes that. So a rank that fails
+deterministically under a bare torchrun also leaves a *stop marker* for the next attempt, and
+each rank of a restarted attempt that finds one prints the one-line error again and exits
+with :data:`FATAL_EXIT` before any work (no model, data or checkpoint is touched; every
+remaining restart costs one interpreter start-up). The marker belongs to one torchrun
+invocation on one machine: it is keyed by the agent (the workers' parent process: its pid
+and start time, and ``TORCHELASTIC_RUN_ID``), so rerunning the same command after fixing the
+cause starts afresh. It lives in the machine's temporary directory, not the run directory,
+so that a full disk or a read-only run directory cannot keep it from being written. On
+several machines each machine's ranks stop on their own machine's marker; the other
+machines' agents stop when the rendezvous closes, as for any failed node.
 
 A rank that fails only because another one did (a save that failed elsewhere, a checkpoint
 another rank could not read) is *secondary*: it never decides the outcome.
@@ -24,10 +39,12 @@ This module imports no torch: the launcher and ``--help`` use it.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -43,9 +60,12 @@ __all__ = [
     "attempt_number",
     "classify",
     "describe_exit",
+    "exit_if_restart_refused",
     "log_dir",
     "rank_failed",
     "read_failures",
+    "refuse_restarts",
+    "restart_refused",
 ]
 
 FATAL_EXIT = 3  # a rank's exit status for a deterministic failure (2: a refused config)
@@ -174,7 +194,68 @@ def rank_failed(exc: BaseException, *, run_dir: Path, rank: int, launched: bool)
         if not launched and not failure.secondary:
             kind = "error" if failure.fatal else f"rank {rank} failed"
             print(f"fullshard train: {kind}: {failure.message} (traceback: {log})", file=sys.stderr)
+    if failure.fatal and not failure.secondary and not launched:
+        refuse_restarts(failure.message, rank=rank)
     return FATAL_EXIT if failure.fatal and not failure.secondary else 1
+
+
+def _stop_marker() -> Path | None:
+    """This torchrun invocation's stop marker on this machine (``None`` outside torchrun);
+    see [Note: no restart under a bare torchrun]."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    agent = os.getppid()
+    try:  # the agent's start time (clock ticks since boot): a reused pid is another agent
+        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = ""
+    key = hashlib.sha256(f"{run_id}\0{agent}\0{started}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"fullshard-no-restart-{key}.json"
+
+
+def refuse_restarts(message: str, *, rank: int) -> None:
+    """Under a bare torchrun: make every later attempt of this job end at once with
+    ``message`` (a deterministic failure's one line). A no-op under ``fullshard train``,
+    whose launcher decides on restarts itself."""
+    marker = _stop_marker()
+    if marker is None or os.environ.get(LAUNCHER_ENV) == "1":
+        return
+    record = {"message": message, "rank": rank, "attempt": attempt_number()}
+    try:
+        tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, marker)
+    except OSError:
+        pass  # then the agent's restart runs, and fails the same way
+
+
+def exit_if_restart_refused() -> int | None:
+    """:data:`FATAL_EXIT` after printing the one-line error (local rank 0) when
+    :func:`restart_refused`; ``None`` otherwise. Imports no torch: a refused attempt ends
+    in a fraction of a second."""
+    refused = restart_refused()
+    if refused is None:
+        return None
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"fullshard train: error: {refused}", file=sys.stderr, flush=True)
+    return FATAL_EXIT
+
+
+def restart_refused() -> str | None:
+    """In a restarted attempt of a bare torchrun job: the one-line error of the deterministic
+    failure that ended an earlier attempt (see :func:`refuse_restarts`), else ``None``."""
+    marker = _stop_marker()
+    if marker is None or attempt_number() == 0 or os.environ.get(LAUNCHER_ENV) == "1":
+        return None
+    try:
+        record = json.loads(marker.read_text())
+        return (
+            f"{record['message']} (rank {record['rank']}, attempt {record['attempt']}; not "
+            "retried: it would fail the same way)"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def read_failures(run_dir: Path, since: float) -> list[dict[str, Any]]:

@@ -18,7 +18,9 @@ as a prefix of the whole.
 
 The token stream and its target mask are computed once and cached as ``.npy`` files in
 ``RUN_DIR/data_cache/``, keyed by the data files (path, size, mtime) and the tokenizer files,
-so reruns, resumes and every rank read them memory-mapped instead of re-tokenizing.
+so reruns, resumes and every rank read them memory-mapped instead of re-tokenizing. The
+pre-launch checks tokenize without writing (``write=False``); the run writes the entry once
+they pass (:class:`PendingCache`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ import numpy as np
 
 from fullshard.train.data import DataError
 
-__all__ = ["cached_stream", "encode_record", "load_tokenizer", "read_records"]
+__all__ = ["PendingCache", "cached_stream", "encode_record", "load_tokenizer", "read_records"]
 
 _CACHE_VERSION = 1
 Record = dict[str, Any]  # {"text": str} or {"messages": [{"role", "content"}, ...]}
@@ -167,13 +171,18 @@ def _fingerprint(data: str, tokenizer_dir: str) -> str:
     return h.hexdigest()[:20]
 
 
+def _cache_files(cache_dir: Path, key: str) -> tuple[Path, Path]:
+    """(tokens, mask) files of one entry; the tokens file's presence marks it complete."""
+    return cache_dir / f"{key}.tokens.npy", cache_dir / f"{key}.mask.npy"
+
+
 def cached_stream(
-    data: str, tokenizer_dir: str, cache_dir: Path | None
+    data: str, tokenizer_dir: str, cache_dir: Path | None, *, write: bool = True
 ) -> tuple[np.ndarray, np.ndarray | None, str]:
     """(uint32 tokens, uint8 target mask or None when every target is learned, cache key).
 
     Tokenizes ``data`` with the tokenizer at ``tokenizer_dir`` unless ``cache_dir`` holds the
-    result already; writes it there (atomically) when it can.
+    result already; with ``write``, stores it there (atomically) when it can.
     """
     path = Path(data).expanduser()
     if not data or not path.exists():
@@ -182,11 +191,11 @@ def cached_stream(
             "folder of text files)"
         )
     key = _fingerprint(data, tokenizer_dir)
-    tok_file = cache_dir / f"{key}.tokens.npy" if cache_dir else None
-    mask_file = cache_dir / f"{key}.mask.npy" if cache_dir else None
-    if tok_file is not None and mask_file is not None and tok_file.exists():
-        mask = np.load(mask_file, mmap_mode="r") if mask_file.exists() else None
-        return np.load(tok_file, mmap_mode="r"), mask, key
+    if cache_dir is not None:
+        tok_file, mask_file = _cache_files(cache_dir, key)
+        if tok_file.exists():
+            mask = np.load(mask_file, mmap_mode="r") if mask_file.exists() else None
+            return np.load(tok_file, mmap_mode="r"), mask, key
     tokenizer = load_tokenizer(tokenizer_dir)
     ids: list[int] = []
     mask_list: list[int] = []
@@ -198,19 +207,39 @@ def cached_stream(
     tokens = np.asarray(ids, dtype=np.uint32)
     mask_arr = np.asarray(mask_list, dtype=np.uint8)
     mask = None if mask_arr.all() else mask_arr
-    if tok_file is not None and mask_file is not None:
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
-            if mask is not None:
-                _save_atomic(mask_file, mask)
-            _save_atomic(tok_file, tokens)  # last: its presence means the entry is complete
-        except OSError:
-            pass  # a read-only run directory only costs re-tokenizing next time
+    if write and cache_dir is not None:
+        PendingCache(cache_dir, key, tokens, mask).write()
     return tokens, mask, key
 
 
+@dataclass(frozen=True)
+class PendingCache:
+    """A token stream tokenized but not yet cached: the pre-launch checks tokenize ``--data``
+    and write nothing; the run writes the entry (:meth:`write`) once every check has passed."""
+
+    cache_dir: Path
+    key: str
+    tokens: np.ndarray = field(repr=False)  # 1D uint32
+    mask: np.ndarray | None = field(repr=False)  # 1D uint8, None when every target is learned
+
+    def write(self) -> None:
+        """Store the entry (atomically) unless the cache holds it already. A directory that
+        cannot be written only costs re-tokenizing next time."""
+        tok_file, mask_file = _cache_files(self.cache_dir, self.key)
+        if tok_file.exists():
+            return
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            if self.mask is not None:
+                _save_atomic(mask_file, self.mask)
+            _save_atomic(tok_file, self.tokens)  # last: its presence means the entry is complete
+        except OSError:
+            pass
+
+
 def _save_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    # unique per writer: every rank of a multi-node job may write the same entry at once
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "wb") as f:
         np.save(f, array)
     os.replace(tmp, path)

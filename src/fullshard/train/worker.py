@@ -8,24 +8,23 @@ e.g. on each of two nodes::
         -m fullshard.train.worker --preset gpt2-124m --run-dir /shared/runs/gpt2
 
 It takes the same flags as ``fullshard train`` (``--nproc`` is ignored: torchrun decides).
+A restart that torchrun's agent makes after a deterministic failure ends at once, before
+torch is imported ([Note: no restart under a bare torchrun] in failures.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
+from fullshard.train import failures
 from fullshard.train.cli import main as cli_main
 
 __all__ = ["main"]
 
 
-@record  # the agent then reports this rank's traceback as the root cause of a failure
 def main(argv: list[str] | None = None) -> int:
     """Run as one rank (the torchrun environment is required)."""
-    import os
-
     args = sys.argv[1:] if argv is None else argv
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print(
@@ -34,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return cli_main(args)
+    refused = failures.exit_if_restart_refused()
+    if refused is not None:
+        return refused
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # record: the agent then reports this rank's traceback as the root cause of a failure
+    return record(cli_main)(args) or 0
 
 
 if __name__ == "__main__":
