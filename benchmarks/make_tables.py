@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,21 @@ COMMAND = "python benchmarks/make_tables.py"
 PLAN_CASES = [("speed", 2), ("comm", 2), ("tiny", 2)]
 
 
+def _plan_shape(name: str) -> tuple[dict[str, int], int, int]:
+    """(GPTConfig fields, per-rank micro-batch, sequence length) of a plan or train preset."""
+    from fullshard.memory.cli import PRESETS
+
+    if name in PRESETS:
+        return PRESETS[name]
+    from fullshard.train.presets import get_preset
+
+    t = get_preset(name)
+    fields = {"n_layer": t.n_layer, "d_model": t.d_model, "n_head": t.n_head, "seq_len": t.seq_len}
+    return fields, t.micro_batch, t.seq_len
+
+
 def plan_accuracy(engine: str) -> list[dict[str, Any]]:
     """Predicted vs measured (live tensor bytes, real gloo ranks) for the shipped presets."""
-    from fullshard.memory.cli import PRESETS
     from fullshard.memory.measure import measure_rank
     from fullshard.memory.planner import PlanSpec, plan
     from fullshard.models import GPTConfig
@@ -38,7 +51,7 @@ def plan_accuracy(engine: str) -> list[dict[str, Any]]:
 
     rows = []
     for name, world in PLAN_CASES:
-        fields, batch, seq = PRESETS[name]
+        fields, batch, seq = _plan_shape(name)
         cfg = GPTConfig(tie_embeddings=False, **fields)
         p = plan(PlanSpec(model=cfg, world_size=world, batch=batch, seq=seq, engine=engine))
         ranks = run_distributed(
@@ -172,9 +185,14 @@ def main() -> int:
             ]
         results = run(cfgs, timeout=3600)
         results["command"] = " ".join(["python benchmarks/make_tables.py", *sys.argv[1:]])
+        dest = ROOT / "benchmarks" / "results" / "latest.json"
+        # The runs are kept before the plan checks start: a failure there loses nothing.
+        partial = dest.with_name("runs-" + time.strftime("%Y%m%d-%H%M%S") + ".json")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(results, indent=1))
+        print(f"runs saved to {partial}", file=sys.stderr)
         engine = "fsdp2" if "fullshard" in results["skipped"] else "fullshard"
         results["plan"] = plan_accuracy(engine) if not args.no_plan else []
-        dest = ROOT / "benchmarks" / "results" / "latest.json"
         if args.merge and dest.exists():  # keep the other configs' runs from the last time
             old = json.loads(dest.read_text())
             results["runs"] = [
@@ -186,8 +204,8 @@ def main() -> int:
         order = {"speed": 0, "comm": 1, "memory": 2}
         results["runs"].sort(key=lambda r: (order.get(r["config"]["name"], 9), r["nproc"]))
         results["configs"] = sorted(names, key=lambda n: order.get(n, 9))
-        dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(json.dumps(results, indent=1))
+        partial.unlink()
     Path(args.out).write_text(render(results))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

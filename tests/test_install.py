@@ -28,6 +28,8 @@ def _build_wheel(tmp: Path) -> Path:
     shutil.copytree(
         ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
     )
+    # The FSDP2 peer engine is the benchmarks' own package, shipped in the wheel beside fullshard.
+    shutil.copytree(ROOT / "benchmarks" / "fullshard_peers", src / "benchmarks" / "fullshard_peers")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     subprocess.run(
@@ -61,6 +63,7 @@ def test_bench_runs_from_an_installed_wheel(tmp_path: Path) -> None:
         check=True,
     ).stdout.strip()
     assert Path(where).is_relative_to(site), f"fullshard resolved to {where}, not the wheel"
+    assert (site / "fullshard_peers" / "__init__.py").is_file(), "the wheel lacks the FSDP2 peer"
 
     out = run / "bench.json"
     # The overhead config runs every mode in one spawned process: the cheapest FSDP2 comparison.

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fullshard"
 MAY_IMPORT: dict[str, set[str]] = {
     "engine": {"engine"},
     "models": set(),  # models never import fullshard: sharding is applied from outside
-    "peers": {"engine"},
+    "peers": {"engine"},  # loads the benchmarks' fullshard_peers package by name
     "checkpoint": {"engine", "checkpoint"},
     "memory": {"engine", "memory", "models", "peers"},
     "train": {"engine", "train", "checkpoint", "memory", "models", "peers"},
@@ -31,8 +31,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 
-#: The only module allowed to import torch FSDP2's engine (the comparison tools' peer engine).
-FSDP2_IMPORTERS = {"fullshard.peers"}
+#: The benchmarks' package that holds torch FSDP2's engine for the comparison tools
+#: (``benchmarks/fullshard_peers``, shipped in the wheel beside ``fullshard``).
+PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "fullshard_peers"
 #: FSDP2's public *types*, which the library may import so that frameworks recognise its units
 #: and accept torch's policy objects (nothing here runs torch's engine).
 FSDP2_PUBLIC_TYPES = {
@@ -116,15 +117,31 @@ def test_imports_point_one_way() -> None:
     )
 
 
-def test_only_peers_imports_torch_fsdp2() -> None:
+def test_the_library_never_imports_torch_fsdp2s_engine() -> None:
     bad = [
         f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
         for path in _sources()
-        if _module_name(path)[0] not in FSDP2_IMPORTERS
         for line, target in _imports(path)
         if target.startswith("torch.distributed.fsdp") and target not in FSDP2_PUBLIC_TYPES
     ]
-    assert not bad, "only fullshard.peers may import torch FSDP2's engine:\n  " + "\n  ".join(bad)
+    assert not bad, (
+        "the fullshard package may import FSDP2's public types only; torch's engine is the "
+        "benchmarks' peer (benchmarks/fullshard_peers):\n  " + "\n  ".join(bad)
+    )
+
+
+def test_the_fsdp2_peer_lives_in_the_benchmarks_package() -> None:
+    """The comparison tools reach torch FSDP2 only through ``fullshard.peers``, by package name."""
+    (init,) = PEERS.glob("__init__.py")
+    targets = {
+        f"{node.module}.{a.name}"
+        for node in ast.walk(ast.parse(init.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+    }
+    assert "torch.distributed.fsdp.fully_shard" in targets
+    mentions = [p.name for p in _sources() if "fullshard_peers" in p.read_text()]
+    assert mentions == ["peers.py"], mentions
 
 
 @pytest.mark.parametrize(

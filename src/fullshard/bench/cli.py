@@ -97,19 +97,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _configure(args: argparse.Namespace, name: str) -> BenchConfig:
-    cfg = get_config(name)
-    changes: dict[str, Any] = {}
-    for field in ("steps", "warmup", "repeats", "batch", "n_layer", "d_model"):
-        v = getattr(args, field)
-        if v is not None:
-            changes[field] = v
+def _changes(
+    args: argparse.Namespace, default_warmup: int, fields: tuple[str, ...]
+) -> dict[str, Any]:
+    """The config fields the flags set: ``fields`` as given, plus warmup, nprocs and modes."""
+    changes: dict[str, Any] = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     if args.steps is not None and args.warmup is None:
-        changes["warmup"] = min(cfg.warmup, args.steps - 1)
+        changes["warmup"] = min(default_warmup, args.steps - 1)
     if args.nproc:
         changes["nprocs"] = tuple(int(x) for x in args.nproc.split(","))
     if args.modes:
         changes["modes"] = tuple(m for item in args.modes for m in item.split(",") if m)
+    return changes
+
+
+def _configure(args: argparse.Namespace, name: str) -> BenchConfig:
+    cfg = get_config(name)
+    fields = ("steps", "warmup", "repeats", "batch", "n_layer", "d_model")
+    changes = _changes(args, cfg.warmup, fields)
     if args.no_reshard_after_forward:
         changes["reshard_after_forward"] = False
     return cfg.replace(**changes)
@@ -130,18 +135,8 @@ def _configure_overhead(args: argparse.Namespace) -> OverheadConfig:
     if wrong or args.all:
         raise ValueError(f"{wrong or ['--all']} do not apply to --config overhead")
     cfg = overhead.OverheadConfig()
-    changes: dict[str, Any] = {}
-    for field in ("steps", "warmup", "repeats", "batch", "units", "width", "profile_steps"):
-        v = getattr(args, field)
-        if v is not None:
-            changes[field] = v
-    if args.steps is not None and args.warmup is None:
-        changes["warmup"] = min(cfg.warmup, args.steps - 1)
-    if args.nproc:
-        changes["nprocs"] = tuple(int(x) for x in args.nproc.split(","))
-    if args.modes:
-        changes["modes"] = tuple(m for item in args.modes for m in item.split(",") if m)
-    return cfg.replace(**changes)
+    fields = ("steps", "warmup", "repeats", "batch", "units", "width", "profile_steps")
+    return cfg.replace(**_changes(args, cfg.warmup, fields))
 
 
 def _main_overhead(args: argparse.Namespace) -> int:

@@ -8,6 +8,11 @@ from the layouts, which every rank knows, so nothing about sizes is exchanged fi
 starts at a multiple of ``_ALIGN`` bytes so it can be viewed back as its dtype. A rank's own
 piece never enters the buffer (it is copied locally) and its bytes are not counted.
 
+Both exchanges come in two halves: ``start_gather`` / ``start_scatter`` pack the buffer and
+issue the collective asynchronously, returning a :class:`Pending`; its ``wait()`` unpacks. The
+optimizer issues every shard group's exchange before waiting on any, and does the work that
+needs no exchange while they travel (see [Note: whole-tensor step]).
+
 ``gather`` sends every rank's piece of each tensor to that tensor's owner, which assembles the
 whole tensor; ``scatter`` sends each owner's whole tensor back as pieces. A 16-byte header in
 every segment of ``gather`` carries one flag per rank (the optimizer's "my shards changed
@@ -16,15 +21,18 @@ outside the optimizer" bit) at no extra collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .layout import ShardLayout
 
-__all__ = ["Traffic", "gather", "scatter"]
+__all__ = ["Pending", "Traffic", "gather", "scatter", "start_gather", "start_scatter"]
+
+_T = TypeVar("_T")
 
 _ALIGN = 16  # bytes; the largest element size (complex128)
 _HEADER = _ALIGN  # gather's per-segment header: byte 0 is the sender's flag
@@ -43,6 +51,24 @@ class Traffic:
         self.sent_bytes += other.sent_bytes
         self.received_bytes += other.received_bytes
         self.exchanges += other.exchanges
+
+
+class Pending(Generic[_T]):
+    """An exchange in flight: :meth:`wait` completes it (once) and returns its result."""
+
+    def __init__(self, work: dist.Work | None, send: torch.Tensor, finish: Callable[[], _T]):
+        self._work = work
+        self._send: torch.Tensor | None = send  # the engine keeps the send buffer alive
+        self._finish: Callable[[], _T] | None = finish
+
+    def wait(self) -> _T:
+        """Wait for the collective, unpack the received bytes, return the exchange's result."""
+        if self._finish is None:
+            raise RuntimeError("this exchange was already waited on")
+        if self._work is not None:
+            self._work.wait()
+        finish, self._finish, self._send = self._finish, None, None
+        return finish()
 
 
 def _padded(nbytes: int) -> int:
@@ -76,10 +102,10 @@ def _all_to_all(
     send_splits: list[int],
     recv_splits: list[int],
     device: torch.device,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, dist.Work | None]:
     recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
-    return recv
+    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+    return recv, work
 
 
 def gather(
@@ -90,10 +116,35 @@ def gather(
     *,
     flag: bool = False,
 ) -> tuple[list[torch.Tensor | None], bool, Traffic]:
-    """Assemble each tensor whole on its owner from every rank's piece ``locals_[i]``.
+    """Assemble each tensor whole on its owner: :func:`start_gather` and wait."""
+    return start_gather(group, layouts, owners, locals_, flag=flag).wait()
 
-    All layouts share ``group``. Returns the whole tensors (``None`` where this rank is not the
-    owner), whether any rank of the group passed ``flag=True``, and the traffic.
+
+def scatter(
+    group: dist.ProcessGroup,
+    layouts: Sequence[ShardLayout],
+    owners: Sequence[int],
+    fulls: Sequence[torch.Tensor | None],
+    outs: Sequence[torch.Tensor],
+) -> Traffic:
+    """Copy each owner's whole tensor into every rank's piece: :func:`start_scatter` and wait."""
+    return start_scatter(group, layouts, owners, fulls, outs).wait()
+
+
+def start_gather(
+    group: dist.ProcessGroup,
+    layouts: Sequence[ShardLayout],
+    owners: Sequence[int],
+    locals_: Sequence[torch.Tensor],
+    *,
+    flag: bool = False,
+) -> Pending[tuple[list[torch.Tensor | None], bool, Traffic]]:
+    """Start assembling each tensor whole on its owner from every rank's piece ``locals_[i]``.
+
+    All layouts share ``group``. ``wait()`` returns the whole tensors (``None`` where this rank
+    is not the owner), whether any rank of the group passed ``flag=True``, and the traffic.
+    ``locals_`` are packed before this returns, except this rank's own pieces: leave those
+    unchanged until ``wait()``.
     """
     size = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -120,7 +171,26 @@ def gather(
         if owner != me:
             _bytes_view(send, cursor[owner], t.dtype, t.shape).copy_(t)
             cursor[owner] += _padded(_nbytes(lay, me, t.dtype))
-    recv = _all_to_all(group, send, send_splits, recv_splits, device)
+    recv, work = _all_to_all(group, send, send_splits, recv_splits, device)
+    sent = send.numel()
+    return Pending(
+        work,
+        send,
+        lambda: _unpack_gather(layouts, owners, locals_, me, flag, recv, recv_splits, sent),
+    )
+
+
+def _unpack_gather(
+    layouts: Sequence[ShardLayout],
+    owners: Sequence[int],
+    locals_: Sequence[torch.Tensor],
+    me: int,
+    flag: bool,
+    recv: torch.Tensor,
+    recv_splits: list[int],
+    sent: int,
+) -> tuple[list[torch.Tensor | None], bool, Traffic]:
+    size = len(recv_splits)
     read = [sum(recv_splits[:r]) for r in range(size)]
     any_flag = flag
     for r in range(size):
@@ -141,21 +211,21 @@ def gather(
                 piece.copy_(_bytes_view(recv, read[r], t.dtype, lay.piece_shape(r)))
                 read[r] += _padded(_nbytes(lay, r, t.dtype))
         fulls.append(full)
-    traffic = Traffic(send.numel(), recv.numel(), 1)
-    return fulls, any_flag, traffic
+    return fulls, any_flag, Traffic(sent, recv.numel(), 1)
 
 
-def scatter(
+def start_scatter(
     group: dist.ProcessGroup,
     layouts: Sequence[ShardLayout],
     owners: Sequence[int],
     fulls: Sequence[torch.Tensor | None],
     outs: Sequence[torch.Tensor],
-) -> Traffic:
-    """Copy each owner's whole tensor ``fulls[i]`` into every rank's piece ``outs[i]``.
+) -> Pending[Traffic]:
+    """Start copying each owner's whole tensor ``fulls[i]`` into every rank's piece ``outs[i]``.
 
-    ``fulls[i]`` is read on the owner only (``None`` elsewhere); ``outs[i]`` is this rank's
-    piece, written in place (any strides).
+    ``fulls[i]`` is read on the owner only (``None`` elsewhere), packed before this returns;
+    ``outs[i]`` is this rank's piece, written in place (any strides) by ``wait()`` (the owner's
+    own piece at once).
     """
     size = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -182,13 +252,18 @@ def scatter(
                     lay.piece(full, r)
                 )
                 cursor[r] += _padded(_nbytes(lay, r, out.dtype))
-    recv = _all_to_all(group, send, send_splits, recv_splits, device)
-    read = [sum(recv_splits[:r]) for r in range(size)]
-    for lay, owner, out in zip(layouts, owners, outs):
-        if owner != me:
-            out.copy_(_bytes_view(recv, read[owner], out.dtype, out.shape))
-            read[owner] += _padded(_nbytes(lay, me, out.dtype))
-    return Traffic(send.numel(), recv.numel(), 1)
+    recv, work = _all_to_all(group, send, send_splits, recv_splits, device)
+
+    def finish() -> Traffic:
+        read = [sum(recv_splits[:r]) for r in range(size)]
+        for lay, owner, out in zip(layouts, owners, outs):
+            if owner != me:
+                out.copy_(_bytes_view(recv, read[owner], out.dtype, out.shape))
+                read[owner] += _padded(_nbytes(lay, me, out.dtype))
+        return Traffic(sent, recv.numel(), 1)
+
+    sent = send.numel()
+    return Pending(work, send, finish)
 
 
 def all_gather_json(group: dist.ProcessGroup, payload: bytes, device: torch.device) -> list[bytes]:

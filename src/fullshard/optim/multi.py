@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .closure import run_closure
+
 __all__ = ["MultiOptimizer"]
 
 
@@ -49,10 +51,7 @@ class MultiOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step every child (the closure, if any, runs once)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for o in self.optimizers:
             o.step()
         return loss

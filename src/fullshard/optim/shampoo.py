@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .closure import run_closure
+
 __all__ = ["Shampoo"]
 
 
@@ -50,10 +52,7 @@ class Shampoo(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Shampoo step on every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             for p in group["params"]:

@@ -13,6 +13,12 @@ bytes, the same on every rank: :func:`layout.assign_owners`). Per step:
 3. one exchange back (:func:`exchange.scatter`): the owner sends the updated rows to the ranks
    that hold them, which copy them into their local shards.
 
+Each exchange is issued asynchronously for every shard group before any is waited on, and the
+work that needs no exchange runs while they travel: whole tensors are prepared during the
+exchange out, gradients dropped and whole tensors fingerprinted during the exchange back. An
+owner's inner step needs its whole gradients, so it waits for the exchange out: that wait is
+the exposed communication (``fullshard bench --config optim`` reports the step time).
+
 The owner keeps a whole copy of each tensor it owns (its *master*, as many bytes as the tensors
 it owns: ~1/N of the parameters), so parameters never travel at a step: bytes per step are the
 owned gradients out and the owned parameters back, 2 x (N-1)/N of the owned bytes. A master is
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import exchange
+from .closure import run_closure
 from .exchange import Traffic
 from .layout import ShardLayout, assign_owners, layout_of, local_of
 
@@ -194,15 +201,12 @@ class WholeTensor(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Gather owned gradients, step the inner optimizer on whole tensors, send rows back."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         traffic = Traffic()
-        stepped: dict[tuple[int, ...], list[_Item]] = {}
-        for key, items in self._groups.items():
+        # 1. Every shard group's gradients go out before any exchange is waited on.
+        pending = []
+        for items in self._groups.values():
             with_grad = [i for i in items if i.param.grad is not None]
-            stepped[key] = with_grad
             group, lays, owners = _plan(with_grad)
             dirty = any(i.fingerprint != i.current_fingerprint() for i in items)
             grads = [local_of(i.param.grad).detach() for i in with_grad]  # type: ignore[arg-type]
@@ -210,14 +214,9 @@ class WholeTensor(torch.optim.Optimizer):
                 # No gradients this step: the exchange still runs, for the stale flag.
                 group, lays, owners, grads = items[0].layout.group, [], [], []
             assert group is not None
-            fulls, stale, t = exchange.gather(group, lays, owners, grads, flag=dirty)
-            traffic.add(t)
-            if stale:
-                self._refresh_masters(items, traffic)
-            for item, full in zip(with_grad, fulls):
-                if full is not None:
-                    assert item.proxy is not None
-                    item.proxy.grad = full
+            gathering = exchange.start_gather(group, lays, owners, grads, flag=dirty)
+            pending.append((items, with_grad, gathering))
+        # While they travel: whole tensors need no exchange.
         for item in self._items:
             if item.whole:
                 if item.fingerprint != item.current_fingerprint():
@@ -227,20 +226,39 @@ class WholeTensor(torch.optim.Optimizer):
                 assert item.proxy is not None
                 g = item.param.grad
                 item.proxy.grad = None if g is None else local_of(g).detach()
+        for items, with_grad, gathering in pending:
+            fulls, stale, t = gathering.wait()
+            traffic.add(t)
+            if stale:
+                self._refresh_masters(items, traffic)
+            for item, full in zip(with_grad, fulls):
+                if full is not None:
+                    assert item.proxy is not None
+                    item.proxy.grad = full
+        # 2. The inner optimizer, on whole tensors.
         if self.inner is not None:
             for inner_group, outer in zip(self.inner.param_groups, self.param_groups):
                 inner_group.update(_options(outer))
             self.inner.step()
-        for with_grad in stepped.values():
+        # 3. Every group's updated rows go back before any exchange is waited on; meanwhile
+        # the gradients are dropped and the whole tensors fingerprinted.
+        scattering = []
+        for _, with_grad, _ in pending:
             group, lays, owners = _plan(with_grad)
             if group is not None:
                 fulls_ = [i.proxy if i.mine else None for i in with_grad]
                 outs = [i.local() for i in with_grad]
-                traffic.add(exchange.scatter(group, lays, owners, fulls_, outs))
+                scattering.append(exchange.start_scatter(group, lays, owners, fulls_, outs))
         for item in self._items:
-            item.fingerprint = item.current_fingerprint()
             if item.proxy is not None:
                 item.proxy.grad = None
+            if item.whole:
+                item.fingerprint = item.current_fingerprint()
+        for pending_scatter in scattering:
+            traffic.add(pending_scatter.wait())
+        for item in self._items:
+            if not item.whole:
+                item.fingerprint = item.current_fingerprint()
         self.last_step_traffic = traffic
         return loss
 
