@@ -183,7 +183,7 @@ def _identity_and_validation() -> None:
     named = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     fully_shard(nn.Linear(2, 2), mesh=named)
     fully_shard(nn.Linear(2, 2), dp_mesh_dims=None)
-    with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
+    with pytest.raises(ValueError, match="dp_mesh_dims names dims of the full SPMD mesh"):
         fully_shard(nn.Linear(2, 2), dp_mesh_dims=tfsdp.DataParallelMeshDims(shard="dp"))
 
     # torch's policy objects, as frameworks build them
