@@ -177,8 +177,12 @@ def _identity_and_validation() -> None:
     named = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     fully_shard(nn.Linear(2, 2), mesh=named)
     fully_shard(nn.Linear(2, 2), dp_mesh_dims=None)
-    with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
-        fully_shard(nn.Linear(2, 2), dp_mesh_dims=tfsdp.DataParallelMeshDims(shard="dp"))
+    dims = tfsdp.DataParallelMeshDims(shard="dp")
+    with pytest.raises(ValueError, match="pass that mesh as mesh="):
+        fully_shard(nn.Linear(2, 2), dp_mesh_dims=dims)
+    spmd = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match=r"must be a DTensor on the full SPMD mesh.*'weight'"):
+        fully_shard(nn.Linear(2, 2), mesh=spmd, dp_mesh_dims=dims)  # plain parameters
 
     # torch's policy objects, as frameworks build them
     lin = nn.Linear(4, 4)
