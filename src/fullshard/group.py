@@ -40,6 +40,12 @@ _SHARED_KNOBS = (
 )
 
 
+def _ranks(info: MeshInfo) -> tuple[tuple[int, ...], ...]:
+    """The global ranks of a unit's shard and replicate groups: what a collective runs over."""
+    groups = (info.shard_group, info.replicate_group)
+    return tuple(tuple(dist.get_process_group_ranks(g)) for g in groups if g is not None)
+
+
 def _mesh_name(info: MeshInfo) -> str:
     names = info.mesh.mesh_dim_names
     return f"mesh {names}" if names else f"mesh {info.mesh.mesh.tolist()}"
@@ -212,10 +218,10 @@ class ParamGroup:
         reduced with this one; the unit's knobs apply to every child. With int
         ``reshard_after_forward`` the children reshard fully.
         """
-        by_mesh: dict[int, list[ShardedParam]] = {}
-        for sp in params:
-            by_mesh.setdefault(id(sp.info), []).append(sp)
-        own = by_mesh.pop(id(self.info), [])
+        by_mesh: dict[tuple[tuple[int, ...], ...], list[ShardedParam]] = {}
+        for sp in params:  # by ranks: units' MeshInfo objects differ (a tied parameter moves)
+            by_mesh.setdefault(_ranks(sp.info), []).append(sp)
+        own = by_mesh.pop(_ranks(self.info), [])
         return own, list(by_mesh.values())
 
     @staticmethod
@@ -423,8 +429,8 @@ class ParamGroup:
             self.reshard()
             return
         for child in self.subgroups:
-            if child.info is not self.info:  # another mesh: its own ranks ([Note: one group
-                child.reshard()  # per mesh])
+            if _ranks(child.info) != _ranks(self.info):  # another mesh: its own ranks
+                child.reshard()  # ([Note: one group per mesh])
                 continue
             child.post_forward_group = self.post_forward_group
             child.post_forward_index = self.post_forward_index
