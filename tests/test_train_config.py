@@ -94,15 +94,6 @@ def test_worker_detection(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------- bad input, before any spawn
 
 
-@pytest.fixture
-def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    calls: list[object] = []
-    monkeypatch.setattr(launch, "launch", lambda *a, **k: calls.append(a) or 0)
-    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    return calls
-
-
 def _fails(args: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> None:
     rc = cli.main(args)
     err = capsys.readouterr().err
@@ -129,7 +120,7 @@ def test_bad_values_fail_fast(
     _fails([*run, "--d-model", "65"], capsys, "--d-model", "--n-head")
     (tmp_path / "file").write_text("x")
     unwritable = ["--preset", "tiny", "--run-dir", str(tmp_path / "file" / "run")]
-    _fails(unwritable, capsys, "--run-dir", "not writable")
+    _fails(unwritable, capsys, "--run-dir", "cannot be created in", "(a file, not a directory)")
     _fails([*run, "--max-stepz", "3"], capsys, "--max-stepz", "did you mean --max-steps")
     _fails([*run, "--hf-config", "{not json"], capsys, "--hf-config")
     _fails([*run, "--hf-config", '{"hidden_size": 8}'], capsys, "--hf-config", "model_type")

@@ -212,14 +212,10 @@ def _exit_now(code: int) -> typing.NoReturn:
     the failure is logged (:func:`failures.rank_failed`) nothing is left to do but what the
     exit hooks would: finish a pending asynchronous checkpoint save and flush the output.
     """
-    import torch.distributed as dist
-
     from fullshard.checkpoint import wait_for_pending_save
 
-    try:
+    try:  # not destroy_process_group(): with a hung peer it can block (the OS closes sockets)
         wait_for_pending_save()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
