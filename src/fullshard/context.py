@@ -107,8 +107,11 @@ class StepContext:
 
     # -------------------------------------------------------------------------- backward
     def ensure_end_of_backward_callback(self) -> None:
-        """Queue :meth:`finish_backward` on the autograd engine (once per backward)."""
-        if not self.callback_queued:
+        """Queue :meth:`finish_backward` on the autograd engine (once per backward).
+
+        Outside a backward (torch pipelining calls a unit's post-backward after its backward
+        has ended) there is nothing to queue on: the caller finishes the step itself."""
+        if not self.callback_queued and torch._C._current_graph_task_id() != -1:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
