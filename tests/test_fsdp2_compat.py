@@ -15,6 +15,10 @@ import torch.distributed as dist
 import torch.distributed.fsdp as tfsdp
 from torch import nn
 
+# torch's comm protocols (private module: the classes a user subclasses for set_custom_*)
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _TorchAllGather
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _TorchReduceScatter
+
 import fullshard
 from fullshard import fully_shard
 from fullshard.hooks import FSDPState
@@ -105,17 +109,19 @@ class _FailBackward(torch.autograd.Function):
         raise RuntimeError("injected backward failure")
 
 
-def _model() -> nn.Sequential:
+def _model(shard: Any = fully_shard, middle: type[nn.Module] | None = None, **kw: Any) -> Any:
+    """3 blocks and a head, 4 units; ``shard``: fullshard's or torch's ``fully_shard``."""
     torch.manual_seed(0)
-    model = nn.Sequential(Block(), Block(), Block(), nn.Linear(8, 2))
+    model = nn.Sequential(Block(), (middle or Block)(), Block(), nn.Linear(8, 2))
     for b in model[:3]:
-        fully_shard(b)
-    fully_shard(model)
+        shard(b, **kw)
+    shard(model, **kw)
     return model
 
 
-def _data(step: int) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+def _data(step: int, rank: int | None = None) -> torch.Tensor:
+    rank = dist.get_rank() if rank is None else rank
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
 
 
 def _reset_cases() -> dict[str, list[float]]:
@@ -218,23 +224,19 @@ def _methods() -> dict[str, Any]:
     m(x).sum().backward()
     out["default"] = [p.grad.full_tensor() for p in m.parameters()]
 
-    # knobs fullshard has fixed: the fixed value is accepted, others refused clearly
+    # the defaults are accepted; bad arguments refused clearly
     model.set_reduce_scatter_unused_params(False)
     model.set_separate_reduce_scatter_group(False)
     model.set_reduce_scatter_max_input_buffers(1)
     model.set_allocate_memory_from_process_group_for_comm(False)
     model._set_unshard_async_op(True)
     model._set_unshard_async_op(False)
-    for call in (
-        lambda: model.set_reduce_scatter_unused_params(True),
-        lambda: model.set_separate_reduce_scatter_group(),
-        lambda: model.set_reduce_scatter_max_input_buffers(2),
-        lambda: model.set_all_reduce_hook(lambda t: None),
-        lambda: model.set_custom_all_gather(object()),
-        lambda: model.set_custom_reduce_scatter(object()),
-    ):
-        with pytest.raises(NotImplementedError, match="not implemented by fullshard"):
-            call()
+    with pytest.raises(TypeError, match="allocate"):
+        model.set_custom_all_gather(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="allocate"):
+        model.set_custom_reduce_scatter(lambda *a: None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callable"):
+        model.set_all_reduce_hook(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="int"):
         model.set_reduce_scatter_max_input_buffers(True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive"):
@@ -304,16 +306,266 @@ def _unshard_in_backward() -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------ communication overrides (FSDP2 knobs)
+class _CountingAllGather(_TorchAllGather):
+    """torch's AllGather protocol: counts calls, bytes and allocations; delegates to dist."""
+
+    def __init__(self) -> None:
+        self.calls = self.nbytes = self.allocs = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocs += 1
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(  # type: ignore[override]
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self.calls += 1
+        self.nbytes += output_tensor.numel() * output_tensor.element_size()
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountingReduceScatter(_TorchReduceScatter):
+    def __init__(self) -> None:
+        self.calls = self.nbytes = self.allocs = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocs += 1
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(  # type: ignore[override]
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Any:
+        self.calls += 1
+        self.nbytes += input_tensor.numel() * input_tensor.element_size()
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
+        )
+
+
+def _train(model: nn.Module, steps: int = 2, data: Any = _data) -> dict[str, Any]:
+    """SGD steps; this rank's losses and the full weights after."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        loss = model(data(step)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": [p.full_tensor() for p in model.parameters()]}
+
+
+def _units(model: nn.Module) -> list[Any]:
+    return [m for m in model.modules() if isinstance(m, tfsdp.FSDPModule)]
+
+
+def _custom_comms() -> dict[str, Any]:
+    """set_custom_all_gather / set_custom_reduce_scatter on every unit, fullshard and FSDP2;
+    plus the default run's traffic as fullshard counts it."""
+    out: dict[str, Any] = {}
+    with fullshard.count_collectives() as stats:
+        out["default"] = _train(_model())
+    out["default_traffic"] = {k: stats.by_kind()[k] for k in ("all_gather", "reduce_scatter")}
+    for name, shard in (("fullshard", fully_shard), ("torch", _TORCH_FULLY_SHARD)):
+        model, ag, rs = _model(shard), _CountingAllGather(), _CountingReduceScatter()
+        for unit in _units(model):
+            unit.set_custom_all_gather(ag)
+            unit.set_custom_reduce_scatter(rs)
+        out[name] = _train(model)
+        out[name]["comms"] = {
+            "all_gather": {"calls": ag.calls, "bytes": ag.nbytes},
+            "reduce_scatter": {"calls": rs.calls, "bytes": rs.nbytes},
+        }
+        out[name]["allocs"] = (ag.allocs, rs.allocs)
+    return out
+
+
+def _all_reduce_hooks() -> dict[str, Any]:
+    """set_all_reduce_hook: a scaling hook on every unit (1-D), and on HSDP (2 replicas of 1
+    shard) a hook recording what it sees, under fullshard and FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, Any] = {}
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    for name, shard in (("fullshard", fully_shard), ("torch", _TORCH_FULLY_SHARD)):
+        model = _model(shard)
+        for unit in _units(model):
+            unit.set_all_reduce_hook(lambda t: t.mul_(0.25))
+        model(_data(0)).square().mean().backward()
+        out[name, "scaled"] = [p.grad.full_tensor() for p in model.parameters()]
+        model = _model(shard, mesh=hsdp)
+        seen: list[torch.Tensor] = []
+        model.set_all_reduce_hook(lambda t, seen=seen: seen.append(t.clone()))  # root unit only
+        model(_data(0)).square().mean().backward()
+        head = model[3]
+        grads = [head.weight.grad.full_tensor().flatten(), head.bias.grad.full_tensor()]
+        out[name, "hsdp"] = (seen, torch.cat(grads))
+        if name == "fullshard":
+            with pytest.raises(ValueError, match="HSDP"):
+                model.set_all_reduce_hook(lambda t: None, stream=object())  # type: ignore[arg-type]
+        # force sum: the hook sees the sum, the division follows (1-D)
+        model = _model(shard)
+        model.set_force_sum_reduction_for_comms(True)
+        summed: list[torch.Tensor] = []
+        model.set_all_reduce_hook(lambda t, summed=summed: summed.append(t.clone()))
+        model(_data(0)).square().mean().backward()
+        head = model[3]
+        local = torch.cat([head.weight.grad.to_local().flatten(), head.bias.grad.to_local()])
+        out[name, "sum"] = (summed, [p.grad.full_tensor() for p in model.parameters()], local)
+    model = _model()
+    model(_data(0)).square().mean().backward()
+    out["default"] = [p.grad.full_tensor() for p in model.parameters()]
+    return out
+
+
+class Experts(nn.Module):
+    """Two experts; ``use_b`` decides per rank whether the second one runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return y + self.b(x) if self.use_b else y
+
+
+def _unused_params() -> dict[str, Any]:
+    """Rank 0 never runs expert ``b`` (rank 1 does), with set_reduce_scatter_unused_params on
+    the experts' unit: fullshard, FSDP2 and a single-process reference agree."""
+    out: dict[str, Any] = {}
+    for name, shard in (("fullshard", fully_shard), ("torch", _TORCH_FULLY_SHARD)):
+        model = _model(shard, middle=Experts)
+        model[1].use_b = dist.get_rank() == 1
+        model[1].set_reduce_scatter_unused_params(True, recurse=False)
+        with fullshard.count_collectives() as stats:
+            out[name] = _train(model)
+        out[name]["reduce_scatters"] = stats.calls("reduce_scatter")
+    # the reference: both ranks' losses on one unsharded model, gradients averaged
+    ref = _model(lambda m, **_: m, middle=Experts)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        per_rank = []
+        for r in range(2):
+            ref[1].use_b = r == 1
+            per_rank.append(ref(_data(step, r)).square().mean())
+        (sum(per_rank) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(per_rank[dist.get_rank()].item())
+    out["reference"] = {"losses": losses, "weights": [p.detach() for p in ref.parameters()]}
+    return out
+
+
+def _peak_in_flight(log: list[Any]) -> int:
+    """The most reductions issued and not yet waited on at any point of the event log."""
+    n = peak = 0
+    for e in log:
+        if e.kind == "reduce_issue":
+            n += 1
+            peak = max(peak, n)
+        elif e.kind == "reduce_wait":
+            n -= 1
+    return peak
+
+
+def _max_input_buffers() -> dict[str, Any]:
+    """set_reduce_scatter_max_input_buffers: the engine keeps at most that many reductions in
+    flight (the root's units share the largest cap), with unchanged gradients."""
+    from fullshard.events import record_events
+
+    out: dict[str, Any] = {}
+    for cap in (1, 2, 3):
+        model = _model()
+        if cap == 2:  # before lazy init, on every unit
+            model.set_reduce_scatter_max_input_buffers(2)
+        model(_data(0)).square().mean().backward()
+        if cap == 3:  # after lazy init, on one unit: the root's units take the largest cap
+            model[0].set_reduce_scatter_max_input_buffers(3, recurse=False)
+        model.zero_grad()
+        with record_events() as log:
+            model(_data(1)).square().mean().backward()
+        out[cap] = (_peak_in_flight(log), [p.grad.full_tensor() for p in model.parameters()])
+    return out
+
+
+def _separate_reduce_group() -> dict[str, Any]:
+    """set_separate_reduce_scatter_group: reductions run on a group of their own (created
+    once, reused), all-gathers on the shard group; same results; False goes back."""
+    import fullshard.collectives as C
+
+    out: dict[str, Any] = {"default": _train(_model())}
+    model = _model()
+    model.set_separate_reduce_scatter_group()
+    groups = {st.group.overrides.reduce_scatter_group for st in fullshard.api._all_states(model)}
+    model.set_separate_reduce_scatter_group(True)  # again: the same group
+    again = {st.group.overrides.reduce_scatter_group for st in fullshard.api._all_states(model)}
+    shard_group = model._get_fsdp_state().group.info.shard_group
+    seen: list[tuple[str, Any]] = []
+    issue = C._issue
+
+    def spy(kind: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append((kind, kwargs.get("group")))
+        return issue(kind, *args, **kwargs)
+
+    C._issue = spy
+    try:
+        with fullshard.count_collectives() as stats:
+            out["separate"] = _train(model)
+    finally:
+        C._issue = issue
+    (rs_group,) = groups
+    assert again == groups and rs_group is not shard_group and rs_group is not None
+    assert dist.get_process_group_ranks(rs_group) == dist.get_process_group_ranks(shard_group)
+    # gloo at this size: the reduce-scatter is an in-place all-reduce, the gather all_gather
+    kinds = {k for k, _ in seen}
+    assert kinds == {"all_gather", "all_reduce"}, kinds
+    assert {g for k, g in seen if k == "all_gather"} == {shard_group}
+    assert {g for k, g in seen if k == "all_reduce"} == {rs_group}
+    assert len([k for k, _ in seen if k == "all_reduce"]) == stats.calls("reduce_scatter") == 8
+    model.set_separate_reduce_scatter_group(False)
+    assert model._get_fsdp_state().group.reduce_group is shard_group
+    return out
+
+
 def _compat_cases() -> dict[str, Any]:
     _identity_and_validation()
     out = _methods()
     out["reset"] = _reset_cases()
     out["unshard_in_backward"] = _unshard_in_backward()
+    out["custom_comms"] = _custom_comms()
+    out["hooks"] = _all_reduce_hooks()
+    out["unused"] = _unused_params()
+    out["max_input_buffers"] = _max_input_buffers()
+    out["separate"] = _separate_reduce_group()
     return out
 
 
+def _same_run(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0) -> None:
+    assert a["losses"] == pytest.approx(b["losses"], abs=atol, rel=0), (a["losses"], b["losses"])
+    assert len(a["weights"]) == len(b["weights"])
+    for x, y in zip(a["weights"], b["weights"]):
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+
+
 def test_fsdp2_behaviour_on_two_ranks() -> None:
-    for r in run_distributed(_compat_cases, 2):
+    results = run_distributed(_compat_cases, 2)
+    # HSDP: the all-reduce hook ran after the replicas' all-reduce (same values on both ranks)
+    seen = [r["hooks"]["fullshard", "hsdp"][0][0] for r in results]
+    torch.testing.assert_close(seen[0], seen[1], rtol=0, atol=0)
+    for r in results:
         for a, b in zip(r["set_reduce_scatter_divide_factor"], r["set_gradient_divide_factor"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         for a, b in zip(r["set_gradient_divide_factor"], r["default"]):
@@ -327,3 +579,48 @@ def test_fsdp2_behaviour_on_two_ranks() -> None:
         assert [g - 1 for g in gathers_on] == gathers_off  # the embedding's re-gather skipped
         for a, b in zip(w_off, w_on):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+        _check_overrides(r)
+
+
+def _check_overrides(r: dict[str, Any]) -> None:
+    cc = r["custom_comms"]
+    _same_run(cc["fullshard"], cc["default"], atol=1e-6)
+    _same_run(cc["fullshard"], cc["torch"], atol=1e-6)
+    # every collective went through the custom comms: the traffic fullshard counts by default
+    assert cc["fullshard"]["comms"] == cc["default_traffic"], cc
+    # as many calls as FSDP2 makes (2 steps x (4 + 3 all-gathers, 4 reduce-scatters))
+    assert cc["fullshard"]["comms"]["all_gather"]["calls"] == 14
+    for kind in ("all_gather", "reduce_scatter"):
+        assert cc["fullshard"]["comms"][kind]["calls"] == cc["torch"]["comms"][kind]["calls"]
+    assert cc["fullshard"]["allocs"] == (14, 16)  # gather output; reduce input and output
+
+    hooks = r["hooks"]
+    for ours, theirs, default in zip(
+        hooks["fullshard", "scaled"], hooks["torch", "scaled"], hooks["default"]
+    ):
+        torch.testing.assert_close(ours, 0.25 * default, rtol=0, atol=1e-7)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+    (seen,), grads = hooks["fullshard", "hsdp"]
+    (torch_seen,), _ = hooks["torch", "hsdp"]
+    torch.testing.assert_close(seen, grads, rtol=0, atol=0)  # the hook saw the final mean
+    torch.testing.assert_close(seen, torch_seen, rtol=0, atol=1e-7)
+    (summed,), grads, local = hooks["fullshard", "sum"]
+    (torch_summed,), torch_grads, _ = hooks["torch", "sum"]
+    torch.testing.assert_close(summed, torch_summed, rtol=0, atol=1e-7)
+    torch.testing.assert_close(summed[: local.numel()], 2 * local)  # the sum of 2 ranks' means
+    for ours, theirs, default in zip(grads, torch_grads, hooks["default"]):
+        torch.testing.assert_close(ours, default, rtol=0, atol=1e-7)  # still the mean
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+
+    unused = r["unused"]
+    _same_run(unused["fullshard"], unused["reference"], atol=1e-6)
+    _same_run(unused["fullshard"], unused["torch"], atol=1e-6)
+    assert unused["fullshard"]["reduce_scatters"] == 8  # 4 units x 2 steps on both ranks
+
+    caps = r["max_input_buffers"]
+    assert [caps[c][0] for c in (1, 2, 3)] == [1, 2, 3]
+    for c in (2, 3):
+        for a, b in zip(caps[c][1], caps[1][1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    _same_run(r["separate"]["separate"], r["separate"]["default"])
