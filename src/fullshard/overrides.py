@@ -43,7 +43,7 @@ class _Allocates(Protocol):
 
 
 class AllGatherComm(_Allocates, Protocol):
-    """torch's ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` protocol."""
+    """FSDP2's ``AllGather`` protocol (defined in torch's private ``_fsdp_api`` module)."""
 
     def __call__(
         self,
@@ -55,7 +55,7 @@ class AllGatherComm(_Allocates, Protocol):
 
 
 class ReduceScatterComm(_Allocates, Protocol):
-    """torch's ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter`` protocol."""
+    """FSDP2's ``ReduceScatter`` protocol (defined in torch's private ``_fsdp_api`` module)."""
 
     def __call__(
         self,
