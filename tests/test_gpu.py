@@ -97,3 +97,20 @@ def test_comm_buffers_from_backend(nccl, source: str) -> None:
             units[0].set_symm_mem_for_comm()
         units[0].set_allocate_memory_from_process_group_for_comm(False)
         assert units[0]._get_fsdp_state().group.overrides.all_gather is None
+
+
+def test_post_optim_event_waited_once(nccl) -> None:
+    """set_post_optim_event: the next forward waits on the event (recorded on another stream
+    after the optimizer step) once, then the hook is gone; the losses are unchanged."""
+    expected = _train(shard_net(make_net().cuda()), steps=2)
+    model = shard_net(make_net().cuda())
+    hooks = len(model._forward_pre_hooks)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000)  # work the event stands for, still running when set
+        event = side.record_event()
+    model.set_post_optim_event(event)
+    assert len(model._forward_pre_hooks) == hooks + 1
+    assert _train(model, steps=2) == expected
+    assert len(model._forward_pre_hooks) == hooks  # used once, then dropped
