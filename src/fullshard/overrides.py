@@ -176,7 +176,9 @@ class BackendAllGather(_BackendBuffers):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Any:
-        self._register(group, output_tensor)  # the input is a slice of the output
+        # The output only: the packed gather's input is a slice of it (an extension's or an
+        # int8 input is plain memory, which NCCL sends the regular way).
+        self._register(group, output_tensor)
         return dist.all_gather_into_tensor(
             output_tensor, input_tensor, group=group, async_op=async_op
         )
