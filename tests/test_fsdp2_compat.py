@@ -251,10 +251,13 @@ def _methods() -> dict[str, Any]:
     with pytest.raises(TypeError, match="bool"):
         model._set_unshard_async_op("yes")  # type: ignore[arg-type]
     # CUDA-only knobs on a CPU unit
-    with pytest.raises(RuntimeError, match="NCCL"):
+    with pytest.raises(RuntimeError, match=r"\(True\) on unit 'Sequential \(root\)'.*CPU.*CUDA"):
         model.set_allocate_memory_from_process_group_for_comm(True)
-    with pytest.raises(RuntimeError, match="CUDA"):
+    with pytest.raises(
+        RuntimeError, match=r"on unit 'Sequential \(root\)'.*needs CUDA and an NCCL"
+    ):
         model.set_symm_mem_for_comm()
+    assert model._get_fsdp_state().group.overrides.all_gather is None  # nothing was set
     with pytest.raises(ValueError, match="NCCL"):
         model.set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="no streams or events"):
