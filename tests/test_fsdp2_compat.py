@@ -372,11 +372,11 @@ class _Bits(BitsGather):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         return cls(out) if func is torch.ops.aten.new_zeros.default else out
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # type: ignore[no-untyped-def]
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _Bits.pre_all_gathers += 1
         return super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
 
-    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):  # type: ignore[no-untyped-def]
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         if out is None:
             return super().fsdp_post_all_gather(outputs, metadata, param_dtype)
         # FSDP2 leaves it to the extension to refill without autograd seeing a mutation

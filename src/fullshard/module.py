@@ -280,9 +280,8 @@ class FSDPModule(_TorchFSDPModule):
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         states = self._states(recurse)
         for st in states:  # validate all before changing any
-            _check_symm_buffers(
-                st, max_input_buffers, getattr(st.group.overrides.reduce_scatter, "source", None)
-            )
+            symmetric = getattr(st.group.overrides.reduce_scatter, "source", None) == "symmetric"
+            _check_symm_buffers(st, max_input_buffers, symmetric=symmetric)
         contexts = []
         for st in states:
             st.group.overrides.max_input_buffers = max_input_buffers
@@ -437,10 +436,10 @@ class FSDPModule(_TorchFSDPModule):
         state = _state(cast(nn.Module, self))
         if enable and _on_cpu_group(state):
             raise RuntimeError(
-                f"set_allocate_memory_from_process_group_for_comm(True) on unit {state.name!r}: this unit computes on the CPU, where "
-                f"fullshard exchanges straight from/into parameters and gradients with no "
-                f"staging buffers to allocate; it needs CUDA and an NCCL group (leave it unset "
-                f"on CPU)"
+                f"set_allocate_memory_from_process_group_for_comm(True) on unit {state.name!r}: "
+                f"this unit computes on the CPU, where fullshard exchanges straight from/into "
+                f"parameters and gradients with no staging buffers to allocate; it needs CUDA "
+                f"and an NCCL group (leave it unset on CPU)"
             )
         _set_backend_buffers(state, "process_group", enable)
 
@@ -466,12 +465,12 @@ class FSDPModule(_TorchFSDPModule):
                 f"set_symm_mem_for_comm on unit {state.name!r}: symmetric memory needs CUDA and "
                 f"an NCCL group; this unit computes on the CPU (leave it unset on CPU)"
             )
-        _check_symm_buffers(state, state.group.overrides.max_input_buffers, "symmetric")
-        _set_backend_buffers(state, "symmetric", True)
+        _check_symm_buffers(state, state.group.overrides.max_input_buffers, symmetric=True)
         from torch.distributed import _symmetric_memory as symm_mem
 
         if symm_mem.get_backend(state.group.device) != backend:  # fixed once memory exists
             symm_mem.set_backend(backend)
+        _set_backend_buffers(state, "symmetric", True)
         # Every rank initialises its communicators now: a later rendezvous needs them.
         for group in {state.group.info.shard_group, state.group.reduce_group}:
             torch.distributed.barrier(group=group)
@@ -504,8 +503,9 @@ def _set_backend_buffers(state: FSDPState, source: BufferSource, enable: bool) -
     ov.reduce_scatter = BackendReduceScatter(source, lambda: g.reduce_group)
 
 
-def _check_symm_buffers(state: FSDPState, max_input_buffers: int, source: object) -> None:
-    if source == "symmetric" and max_input_buffers > 1:
+def _check_symm_buffers(state: FSDPState, max_input_buffers: int, *, symmetric: bool) -> None:
+    """Symmetric reduce-scatter buffers allow one reduction in flight (as FSDP2)."""
+    if symmetric and max_input_buffers > 1:
         raise ValueError(
             f"unit {state.name!r}: set_reduce_scatter_max_input_buffers({max_input_buffers}) "
             f"is not supported with set_symm_mem_for_comm (each buffer held would be a "
