@@ -156,6 +156,43 @@ def check_nccl_parity() -> list[Row]:
     ]
 
 
+KNOBS = {  # FSDPModule knob -> how to turn it on for a unit
+    "process-group allocator": lambda u: u.set_allocate_memory_from_process_group_for_comm(True),
+    "symmetric memory": lambda u: u.set_symm_mem_for_comm(),
+}
+
+
+def check_comm_buffers() -> list[Row]:
+    """The comm-buffer knobs on every unit: fp32 parity vs unsharded, under both engines."""
+    ref = _train_gpt(_gpt(PARITY_GPT, "cuda"))
+    rows = []
+    for knob, turn_on in KNOBS.items():
+        cells = {}
+        for engine in ENGINES:
+            try:
+                model = _gpt(PARITY_GPT, "cuda")
+                _shard(model, list(model.blocks), engine)
+                for unit in [model, *model.blocks]:
+                    turn_on(unit)
+                cells[engine] = f"{_rel(_train_gpt(model), ref):.1e}"
+            except Exception as e:  # FSDP2 may lack it on this machine: say so, keep ours
+                if engine == "fullshard":
+                    raise
+                cells[engine] = f"{type(e).__name__}: {e}"[:60]
+        ok = float(cells["fullshard"]) <= FP32_RTOL
+        rows.append(
+            Row(
+                f"NCCL comm buffers from {knob}: max rel. loss err vs unsharded",
+                cells["fullshard"],
+                cells["fsdp2"],
+                f"every unit, GPT {PARITY_GPT.n_layer}x{PARITY_GPT.d_model}, {PARITY_STEPS} "
+                f"AdamW steps, tol {FP32_RTOL:g}",
+                "PASS" if ok else "FAIL",
+            )
+        )
+    return rows
+
+
 # ----------------------------------------------------------------------------- CPU offload
 
 
@@ -426,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         trace_dir.mkdir(parents=True, exist_ok=True)
         checks: list[tuple[str, Callable[[], list[Row]]]] = [
             ("NCCL parity", check_nccl_parity),
+            ("NCCL comm buffers", check_comm_buffers),
             ("CPU offload", lambda: check_offload(trace_dir)),
             ("Llama", lambda: check_llama(args, trace_dir)),
         ]

@@ -20,10 +20,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _TorchAll
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _TorchReduceScatter
 
 import fullshard
-from fullshard import fully_shard
+from fullshard import FullyShardError, fully_shard
 from fullshard.hooks import FSDPState
 from fullshard.state import TrainingState
 from fullshard.testing import run_distributed
+from test_composition_extra import BitsGather
 
 _TORCH_FULLY_SHARD = tfsdp.fully_shard
 
@@ -37,6 +38,12 @@ def test_every_public_fsdp2_method_is_overridden() -> None:
     assert {"reset_iter_state", "set_symm_mem_for_comm", "_set_unshard_async_op"} <= torch_names
     missing = sorted(n for n in torch_names if n not in vars(fullshard.FSDPModule))
     assert not missing, f"torch's FSDPModule methods would run torch's engine: {missing}"
+    # called as FSDP2's are: the same parameters (names, kinds, defaults; types may widen)
+    for n in sorted(torch_names - {"__new__"}):
+        theirs = inspect.signature(getattr(tfsdp.FSDPModule, n)).parameters.values()
+        ours = inspect.signature(getattr(fullshard.FSDPModule, n)).parameters.values()
+        shape = [[(p.name, p.kind, p.default) for p in ps] for ps in (ours, theirs)]
+        assert shape[0] == shape[1], (n, *shape)
     assert issubclass(fullshard.FSDPModule, tfsdp.FSDPModule)
     assert issubclass(fullshard.UnshardHandle, tfsdp.UnshardHandle)
 
@@ -244,10 +251,13 @@ def _methods() -> dict[str, Any]:
     with pytest.raises(TypeError, match="bool"):
         model._set_unshard_async_op("yes")  # type: ignore[arg-type]
     # CUDA-only knobs on a CPU unit
-    with pytest.raises(RuntimeError, match="NCCL"):
+    with pytest.raises(RuntimeError, match=r"\(True\) on unit 'Sequential \(root\)'.*CPU.*CUDA"):
         model.set_allocate_memory_from_process_group_for_comm(True)
-    with pytest.raises(RuntimeError, match="CUDA"):
+    with pytest.raises(
+        RuntimeError, match=r"on unit 'Sequential \(root\)'.*needs CUDA and an NCCL"
+    ):
         model.set_symm_mem_for_comm()
+    assert model._get_fsdp_state().group.overrides.all_gather is None  # nothing was set
     with pytest.raises(ValueError, match="NCCL"):
         model.set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="no streams or events"):
@@ -307,8 +317,9 @@ def _unshard_in_backward() -> dict[str, Any]:
 
 
 # ------------------------------------------------------ communication overrides (FSDP2 knobs)
-class _CountingAllGather(_TorchAllGather):
-    """torch's AllGather protocol: counts calls, bytes and allocations; delegates to dist."""
+class _Counting:
+    """Counts a comm's calls, bytes on the wire (``_count``) and allocations (torch's comm
+    protocols: ``allocate`` and ``__call__``, which delegates to ``torch.distributed``)."""
 
     def __init__(self) -> None:
         self.calls = self.nbytes = self.allocs = 0
@@ -317,6 +328,12 @@ class _CountingAllGather(_TorchAllGather):
         self.allocs += 1
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def _count(self, wire: torch.Tensor) -> None:
+        self.calls += 1
+        self.nbytes += wire.numel() * wire.element_size()
+
+
+class _CountingAllGather(_Counting, _TorchAllGather):
     def __call__(  # type: ignore[override]
         self,
         output_tensor: torch.Tensor,
@@ -324,19 +341,11 @@ class _CountingAllGather(_TorchAllGather):
         group: Any,
         async_op: bool = False,
     ) -> Any:
-        self.calls += 1
-        self.nbytes += output_tensor.numel() * output_tensor.element_size()
+        self._count(output_tensor)
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class _CountingReduceScatter(_TorchReduceScatter):
-    def __init__(self) -> None:
-        self.calls = self.nbytes = self.allocs = 0
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        self.allocs += 1
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class _CountingReduceScatter(_Counting, _TorchReduceScatter):
     def __call__(  # type: ignore[override]
         self,
         output_tensor: torch.Tensor,
@@ -345,11 +354,42 @@ class _CountingReduceScatter(_TorchReduceScatter):
         op: Any = dist.ReduceOp.SUM,
         async_op: bool = False,
     ) -> Any:
-        self.calls += 1
-        self.nbytes += input_tensor.numel() * input_tensor.element_size()
+        self._count(input_tensor)
         return dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
         )
+
+
+class _Bits(BitsGather):
+    """``BitsGather`` (lossless int32 all-gather extension) that also works under FSDP2: it
+    stays itself through FSDP2's sharding (which pads the shard with ``new_zeros``), so torch
+    runs the extension too, and counts its pre-all-gathers."""
+
+    pre_all_gathers = 0
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        return cls(out) if func is torch.ops.aten.new_zeros.default else out
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        _Bits.pre_all_gathers += 1
+        return super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        if out is None:
+            return super().fsdp_post_all_gather(outputs, metadata, param_dtype)
+        # FSDP2 leaves it to the extension to refill without autograd seeing a mutation
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+            return super().fsdp_post_all_gather(outputs, metadata, param_dtype, out=out)
+
+
+class ExtBlock(Block):
+    """A block whose weight defines FSDP2's all-gather extension (``_Bits``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin.weight = nn.Parameter(_Bits(self.lin.weight.detach().clone()))
 
 
 def _train(model: nn.Module, steps: int = 2, data: Any = _data) -> dict[str, Any]:
@@ -369,24 +409,66 @@ def _units(model: nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, tfsdp.FSDPModule)]
 
 
-def _custom_comms() -> dict[str, Any]:
+def _custom_comms(middle: type[nn.Module] | None = None) -> dict[str, Any]:
     """set_custom_all_gather / set_custom_reduce_scatter on every unit, fullshard and FSDP2;
-    plus the default run's traffic as fullshard counts it."""
+    plus the default run's traffic as fullshard counts it. ``middle``: the second block's
+    class (``ExtBlock``: its weight uses the all-gather extension)."""
     out: dict[str, Any] = {}
     with fullshard.count_collectives() as stats:
-        out["default"] = _train(_model())
+        out["default"] = _train(_model(middle=middle))
     out["default_traffic"] = {k: stats.by_kind()[k] for k in ("all_gather", "reduce_scatter")}
     for name, shard in (("fullshard", fully_shard), ("torch", _TORCH_FULLY_SHARD)):
-        model, ag, rs = _model(shard), _CountingAllGather(), _CountingReduceScatter()
+        model, ag, rs = _model(shard, middle), _CountingAllGather(), _CountingReduceScatter()
         for unit in _units(model):
             unit.set_custom_all_gather(ag)
             unit.set_custom_reduce_scatter(rs)
+        _Bits.pre_all_gathers = 0
         out[name] = _train(model)
         out[name]["comms"] = {
             "all_gather": {"calls": ag.calls, "bytes": ag.nbytes},
             "reduce_scatter": {"calls": rs.calls, "bytes": rs.nbytes},
         }
         out[name]["allocs"] = (ag.allocs, rs.allocs)
+        out[name]["pre_all_gathers"] = _Bits.pre_all_gathers
+    return out
+
+
+def _backend_buffers() -> dict[str, Any]:
+    """The comms behind set_allocate_memory_from_process_group_for_comm /
+    set_symm_mem_for_comm carry every collective of the units they are set on (installed
+    through the knobs' own helper: on a CPU unit the knobs refuse), with unchanged results;
+    the knobs refuse to mix with each other and with custom comms."""
+    from fullshard.module import _set_backend_buffers
+    from fullshard.overrides import BackendAllGather, BackendReduceScatter
+
+    out: dict[str, Any] = {}
+    model = _model()
+    states = fullshard.api._all_states(model)
+    for st in states:  # gloo has no allocator of its own: torch.empty
+        _set_backend_buffers(st, "process_group", True)
+    with fullshard.count_collectives() as stats:
+        out["process_group"] = _train(model)
+    out["algorithms"] = {(r.kind, r.algorithm) for r in stats.records}
+    ov = states[0].group.overrides
+    assert isinstance(ov.all_gather, BackendAllGather)
+    assert isinstance(ov.reduce_scatter, BackendReduceScatter)
+    assert ov.reduce_scatter.source == "process_group"
+    with pytest.raises(FullyShardError, match="use one of them"):
+        _set_backend_buffers(states[0], "symmetric", True)
+    model.set_allocate_memory_from_process_group_for_comm(False)  # back to the defaults
+    assert ov.all_gather is None and ov.reduce_scatter is None
+    # symmetric reduce-scatter buffers: one buffer in flight only (as FSDP2)
+    _set_backend_buffers(states[0], "symmetric", True)
+    with pytest.raises(ValueError, match="symmetric"):
+        model.set_reduce_scatter_max_input_buffers(2)
+    assert states[1].group.overrides.max_input_buffers == 1  # nothing changed
+    with pytest.raises(AssertionError, match="use one of them"):  # FSDP2's exception type
+        model.set_allocate_memory_from_process_group_for_comm(False)
+    # a custom comm set first: the knobs refuse, naming the unit
+    model = _model()
+    model.set_custom_all_gather(_CountingAllGather())
+    with pytest.raises(FullyShardError, match=r"unit '.*'.*set_custom_all_gather.*use one"):
+        model.set_allocate_memory_from_process_group_for_comm(False)
     return out
 
 
@@ -546,6 +628,8 @@ def _compat_cases() -> dict[str, Any]:
     out["reset"] = _reset_cases()
     out["unshard_in_backward"] = _unshard_in_backward()
     out["custom_comms"] = _custom_comms()
+    out["custom_comms_ext"] = _custom_comms(ExtBlock)
+    out["backend_buffers"] = _backend_buffers()
     out["hooks"] = _all_reduce_hooks()
     out["unused"] = _unused_params()
     out["max_input_buffers"] = _max_input_buffers()
@@ -593,6 +677,23 @@ def _check_overrides(r: dict[str, Any]) -> None:
     for kind in ("all_gather", "reduce_scatter"):
         assert cc["fullshard"]["comms"][kind]["calls"] == cc["torch"]["comms"][kind]["calls"]
     assert cc["fullshard"]["allocs"] == (14, 16)  # gather output; reduce input and output
+
+    # the all-gather extension: the custom comms carry its gathers too (FSDP2's semantics)
+    ext = r["custom_comms_ext"]
+    _same_run(ext["fullshard"], cc["default"], atol=1e-6)  # the extension gathers losslessly
+    _same_run(ext["fullshard"], ext["torch"], atol=1e-6)
+    assert ext["fullshard"]["pre_all_gathers"] == ext["torch"]["pre_all_gathers"] == 4
+    assert ext["fullshard"]["comms"] == ext["default_traffic"], ext
+    for kind in ("all_gather", "reduce_scatter"):  # FSDP2 packs them: the same bytes
+        assert ext["fullshard"]["comms"][kind]["bytes"] == ext["torch"]["comms"][kind]["bytes"]
+    # one call more per extension gather (2 steps x forward + backward), as many reductions
+    ours, theirs = ext["fullshard"]["comms"], ext["torch"]["comms"]
+    assert ours["all_gather"]["calls"] == theirs["all_gather"]["calls"] + 4 == 18
+    assert ours["reduce_scatter"]["calls"] == theirs["reduce_scatter"]["calls"] == 8
+
+    bb = r["backend_buffers"]
+    _same_run(bb["process_group"], cc["default"])
+    assert bb["algorithms"] == {("all_gather", "custom"), ("reduce_scatter", "custom")}
 
     hooks = r["hooks"]
     for ours, theirs, default in zip(

@@ -54,3 +54,63 @@ def test_nccl_parity_bf16_and_offload(nccl) -> None:
     off = shard_net(make_net(), offload_policy=CPUOffloadPolicy(pin_memory=True))
     assert {p.to_local().device.type for p in off.parameters()} == {"cpu"}
     assert _train(off) == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("source", ["process_group", "symmetric"])
+def test_comm_buffers_from_backend(nccl, source: str) -> None:
+    """set_allocate_memory_from_process_group_for_comm(True) / set_symm_mem_for_comm() on
+    every unit: every all-gather and reduce-scatter buffer comes from the backend (symmetric:
+    from the device's symmetric-memory pool), with the default run's losses (world size 1:
+    the same arithmetic, so exactly)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from fullshard import FSDPModule
+    from fullshard.overrides import BackendAllGather, BackendReduceScatter
+
+    expected = _train(shard_net(make_net().cuda()))
+    model = shard_net(make_net().cuda())
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    allocated: list[torch.Tensor] = []
+    for unit in units:
+        if source == "process_group":
+            unit.set_allocate_memory_from_process_group_for_comm(True)
+        else:
+            unit.set_symm_mem_for_comm()
+        ov = unit._get_fsdp_state().group.overrides
+        assert isinstance(ov.all_gather, BackendAllGather) and ov.all_gather.source == source
+        assert isinstance(ov.reduce_scatter, BackendReduceScatter)
+        for comm in (ov.all_gather, ov.reduce_scatter):
+            inner = comm.allocate
+
+            def spy(*args, _inner=inner, **kwargs):
+                t = _inner(*args, **kwargs)
+                allocated.append(t)
+                return t
+
+            comm.allocate = spy  # type: ignore[method-assign]
+    assert _train(model) == expected
+    assert allocated and all(t.is_cuda for t in allocated)
+    if source == "symmetric":  # the buffers live in the symmetric-memory pool
+        assert symm_mem.get_mem_pool(allocated[0].device).snapshot()
+    else:  # the two knobs decide the same buffers; False goes back to torch.empty
+        with pytest.raises(AssertionError, match="use one of them"):
+            units[0].set_symm_mem_for_comm()
+        units[0].set_allocate_memory_from_process_group_for_comm(False)
+        assert units[0]._get_fsdp_state().group.overrides.all_gather is None
+
+
+def test_post_optim_event_waited_once(nccl) -> None:
+    """set_post_optim_event: the next forward waits on the event (recorded on another stream
+    after the optimizer step) once, then the hook is gone; the losses are unchanged."""
+    expected = _train(shard_net(make_net().cuda()), steps=2)
+    model = shard_net(make_net().cuda())
+    hooks = len(model._forward_pre_hooks)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000)  # work the event stands for, still running when set
+        event = side.record_event()
+    model.set_post_optim_event(event)
+    assert len(model._forward_pre_hooks) == hooks + 1
+    assert _train(model, steps=2) == expected
+    assert len(model._forward_pre_hooks) == hooks  # used once, then dropped

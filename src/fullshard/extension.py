@@ -29,7 +29,12 @@ reduced like any other parameter's. Such parameters sit outside the unit's packe
   unsharded parameter is the TP DTensor around what ``fsdp_post_all_gather`` returns, and
   ``out=`` receives that DTensor (unwrap ``out._local_tensor``, as torchao does).
 
-With int ``reshard_after_forward`` such parameters reshard fully.
+With int ``reshard_after_forward`` such parameters reshard fully. A custom all-gather
+(``set_custom_all_gather``, or the backend buffers of ``set_symm_mem_for_comm`` /
+``set_allocate_memory_from_process_group_for_comm``) allocates and runs each input's gather
+too, as FSDP2's does (FSDP2 packs every input of the unit into one gather; fullshard issues
+one per input, each through the comm); a custom reduce-scatter reduces their gradients with
+the unit's others.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from .overrides import allocate
 
 if TYPE_CHECKING:
     from .group import ParamGroup
@@ -90,6 +96,7 @@ class ExtensionGather:
     def start(self, g: ParamGroup) -> None:
         """Call every shard's pre-all-gather and issue one all-gather per returned input."""
         world, group = g.world, g.info.shard_group
+        comm = g.overrides.all_gather  # a custom AllGather runs these gathers too
         mesh = g.info.mesh
         if mesh.ndim == 2:  # HSDP: the extension sees the shard mesh, as in FSDP2
             assert mesh.mesh_dim_names is not None
@@ -108,11 +115,11 @@ class ExtensionGather:
             handles, outputs = [], []
             for t in inputs:
                 send = _padded(t, sp)
-                out = torch.empty((world, *send.shape), dtype=send.dtype, device=g.device)
+                out = allocate(comm, world * send.numel(), send.dtype, g.device)
                 what = f"unit {g.name!r}, parameter {sp.fqn!r} (all-gather extension)"
                 with g.streams.use("gather"):
-                    handles.append(C.all_gather(out.view(-1), send.view(-1), group, what=what))
-                outputs.append(out)
+                    handles.append(C.all_gather(out, send.view(-1), group, what=what, comm=comm))
+                outputs.append(out.view(world, *send.shape))
             self._pending.append(_Gathered(sp, handles, outputs, metadata))
 
     def finish(self, g: ParamGroup) -> None:

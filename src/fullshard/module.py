@@ -25,7 +25,14 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState, states_under
 from .init import check_reshard_after_forward, lazy_init, resolve_reshard
-from .overrides import AllGatherComm, ReduceScatterComm, separate_reduce_scatter_groups
+from .overrides import (
+    AllGatherComm,
+    BackendAllGather,
+    BackendReduceScatter,
+    BufferSource,
+    ReduceScatterComm,
+    separate_reduce_scatter_groups,
+)
 from .streams import CommStreams
 
 __all__ = [
@@ -64,15 +71,6 @@ def _check_fsdp_modules(modules: list[Any], what: str) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"{what} expects FSDPModules (fully_shard units), got {type(m)}")
-
-
-def _not_yet(method: str, value: object, default: object) -> None:
-    """Refuse a knob value the engine does not implement yet (the default is accepted)."""
-    if value != default:
-        raise NotImplementedError(
-            f"{method}({value!r}) is not implemented by fullshard yet (only {default!r}, "
-            f"fullshard's fixed behaviour, is accepted); leave it unset"
-        )
 
 
 def _check_comm(comm: object, method: str) -> None:
@@ -280,8 +278,12 @@ class FSDPModule(_TorchFSDPModule):
             )
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        states = self._states(recurse)
+        for st in states:  # validate all before changing any
+            symmetric = getattr(st.group.overrides.reduce_scatter, "source", None) == "symmetric"
+            _check_symm_buffers(st, max_input_buffers, symmetric=symmetric)
         contexts = []
-        for st in self._states(recurse):
+        for st in states:
             st.group.overrides.max_input_buffers = max_input_buffers
             if st.ctx is not None and st.ctx not in contexts:
                 contexts.append(st.ctx)
@@ -421,24 +423,95 @@ class FSDPModule(_TorchFSDPModule):
         state.group.overrides.reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Allocate NCCL staging buffers from the process group's allocator (NCCL only)."""
-        if enable and _on_cpu_group(_state(cast(nn.Module, self))):
+        """Allocate this unit's communication buffers (all-gather output, reduce-scatter input
+        and output) with the process group's own allocator (``True``; NCCL: from a memory
+        pool registered with its communicators, for zero-copy transfers) or with
+        ``torch.empty`` (``False``, the default). Not recursive, as in FSDP2.
+
+        CUDA only: on a CPU unit ``True`` raises ``RuntimeError``. Cannot be combined with
+        :meth:`set_custom_all_gather`, :meth:`set_custom_reduce_scatter` or
+        :meth:`set_symm_mem_for_comm` (``FullyShardError``, an ``AssertionError`` as in
+        FSDP2); see [Note: comm buffers from the backend] in ``fullshard.overrides``.
+        """
+        state = _state(cast(nn.Module, self))
+        if enable and _on_cpu_group(state):
             raise RuntimeError(
-                "set_allocate_memory_from_process_group_for_comm(True) needs an NCCL group: on "
-                "gloo fullshard exchanges straight from/into parameters and gradients, with no "
-                "staging buffers to allocate"
+                f"set_allocate_memory_from_process_group_for_comm(True) on unit {state.name!r}: "
+                f"this unit computes on the CPU, where fullshard exchanges straight from/into "
+                f"parameters and gradients with no staging buffers to allocate; it needs CUDA "
+                f"and an NCCL group (leave it unset on CPU)"
             )
-        _not_yet("set_allocate_memory_from_process_group_for_comm", enable, False)
+        _set_backend_buffers(state, "process_group", enable)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """Allocate all-gather buffers in symmetric memory (NCCL only)."""
+        """Allocate this unit's communication buffers in symmetric memory (``backend``:
+        ``"NCCL"``), so NCCL can use its symmetric-memory all-gather (copy engine on one node
+        with ``NCCL_CTA_POLICY=2``) and reduce-scatter kernels. Not recursive, as in FSDP2.
+
+        FSDP2 moves the reduce-scatter buffers too only after
+        :meth:`set_force_sum_reduction_for_comms` (NCCL's symmetric reduce-scatter sums
+        only); fullshard's reduce-scatters always sum, so both directions move. Hence
+        ``set_reduce_scatter_max_input_buffers(> 1)`` is refused with it, as in FSDP2 (each
+        buffer held would be a symmetric segment of its own). CUDA and NCCL only (CPU:
+        ``RuntimeError``); cannot be combined with custom comms or
+        :meth:`set_allocate_memory_from_process_group_for_comm`. Call it on every rank of
+        the unit's groups (it synchronises them once).
+        """
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
-        if _on_cpu_group(_state(cast(nn.Module, self))):
+        state = _state(cast(nn.Module, self))
+        if _on_cpu_group(state):
             raise RuntimeError(
-                "set_symm_mem_for_comm needs CUDA and NCCL; this unit computes on the CPU"
+                f"set_symm_mem_for_comm on unit {state.name!r}: symmetric memory needs CUDA and "
+                f"an NCCL group; this unit computes on the CPU (leave it unset on CPU)"
             )
-        raise NotImplementedError("set_symm_mem_for_comm is not implemented by fullshard yet")
+        _check_symm_buffers(state, state.group.overrides.max_input_buffers, symmetric=True)
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if symm_mem.get_backend(state.group.device) != backend:  # fixed once memory exists
+            symm_mem.set_backend(backend)
+        _set_backend_buffers(state, "symmetric", True)
+        # Every rank initialises its communicators now: a later rendezvous needs them.
+        for group in {state.group.info.shard_group, state.group.reduce_group}:
+            torch.distributed.barrier(group=group)
+
+
+_KNOB = {
+    "process_group": "set_allocate_memory_from_process_group_for_comm",
+    "symmetric": "set_symm_mem_for_comm",
+}
+
+
+def _set_backend_buffers(state: FSDPState, source: BufferSource, enable: bool) -> None:
+    """Point the unit's comm slots at fullshard's backend comms for ``source`` (``enable``)
+    or back at the defaults, refusing a comm that another knob set."""
+    ov, g, method = state.group.overrides, state.group, _KNOB[source]
+    for comm, kind in ((ov.all_gather, "all_gather"), (ov.reduce_scatter, "reduce_scatter")):
+        other = getattr(comm, "source", None)
+        if comm is not None and other != source:
+            knob = _KNOB[other] if other in _KNOB else f"set_custom_{kind}"
+            raise FullyShardError(
+                f"{method} on unit {state.name!r}: its {kind.replace('_', '-')} buffers are "
+                f"already decided by {knob} ({type(comm).__name__}); the two decide the same "
+                f"buffers, use one of them"
+            )
+    if not enable:
+        ov.all_gather = ov.reduce_scatter = None
+        return
+    _check_collectives(state, method)
+    ov.all_gather = BackendAllGather(source, lambda: g.info.shard_group)
+    ov.reduce_scatter = BackendReduceScatter(source, lambda: g.reduce_group)
+
+
+def _check_symm_buffers(state: FSDPState, max_input_buffers: int, *, symmetric: bool) -> None:
+    """Symmetric reduce-scatter buffers allow one reduction in flight (as FSDP2)."""
+    if symmetric and max_input_buffers > 1:
+        raise ValueError(
+            f"unit {state.name!r}: set_reduce_scatter_max_input_buffers({max_input_buffers}) "
+            f"is not supported with set_symm_mem_for_comm (each buffer held would be a "
+            f"symmetric-memory segment of its own); keep max_input_buffers=1 with symmetric "
+            f"memory"
+        )
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

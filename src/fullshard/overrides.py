@@ -15,19 +15,42 @@ subgroups) holds them; ``fullshard.gather`` and ``fullshard.reduce`` read it.
   the largest any of them asks for; ``StepContext.make_room``).
 - ``reduce_scatter_group``: a process group of its own for the unit's reduce-scatters
   (:func:`separate_reduce_scatter_groups`).
+
+[Note: comm buffers from the backend]
+FSDP2's ``set_allocate_memory_from_process_group_for_comm`` and ``set_symm_mem_for_comm``
+change where a unit's communication buffers (the packed all-gather output, the reduce-scatter
+input and output) come from. fullshard implements them as comm objects of its own,
+:class:`BackendAllGather` / :class:`BackendReduceScatter`, set in the same ``all_gather`` /
+``reduce_scatter`` slots as a user's custom comm, so every buffer still comes from one seam,
+:func:`allocate`. ``source`` says where from:
+
+- ``"process_group"``: the group backend's own allocator (``Backend.allocate_tensor``; NCCL
+  hands out memory from a ``torch.cuda.MemPool`` registered with its communicators, which lets
+  it use zero-copy transfers), or ``torch.empty`` when the backend has none;
+- ``"symmetric"``: the symmetric-memory pool of the device
+  (``torch.distributed._symmetric_memory.get_mem_pool``); before each collective the buffers
+  it reads or writes are rendezvoused on the collective's group (cached by the pool), so NCCL
+  can pick its symmetric-memory kernels. Every rank allocates the same sizes, as the pool needs.
+
+The collective itself is the backend's plain all-gather / reduce-scatter (sum; fullshard
+divides separately), so numerics are unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "AllGatherComm",
+    "BackendAllGather",
+    "BackendReduceScatter",
+    "BufferSource",
     "CommOverrides",
     "ReduceScatterComm",
     "allocate",
@@ -103,6 +126,79 @@ def allocate(
             f"{buf.dtype} tensor of {buf.numel()} elements; it must return exactly that"
         )
     return buf.view(-1)
+
+
+BufferSource = Literal["process_group", "symmetric"]
+
+
+class _BackendBuffers:
+    """Allocates communication buffers from ``source`` (see [Note: comm buffers from the
+    backend]); ``group_of()`` is the process group the buffers are for (read when allocating,
+    so a later ``set_separate_reduce_scatter_group`` is followed)."""
+
+    def __init__(self, source: BufferSource, group_of: Callable[[], dist.ProcessGroup]) -> None:
+        self.source = source
+        self._group_of = group_of
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A 1-D buffer of ``prod(size)`` elements from this object's source."""
+        numel = math.prod(int(s) for s in size)
+        if self.source == "symmetric":
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+                return torch.empty(numel, dtype=dtype, device=device)
+        backend = self._group_of()._get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(numel, dtype=dtype, device=device)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _register(self, group: dist.ProcessGroup, *tensors: torch.Tensor) -> None:
+        if self.source == "symmetric":
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            for t in tensors:
+                symm_mem.rendezvous(t, group=group.group_name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(source={self.source!r})"
+
+
+class BackendAllGather(_BackendBuffers):
+    """The all-gather with buffers from the backend (an :class:`AllGatherComm`)."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any:
+        # The output only: the packed gather's input is a slice of it (an extension's or an
+        # int8 input is plain memory, which NCCL sends the regular way).
+        self._register(group, output_tensor)
+        return dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+
+
+class BackendReduceScatter(_BackendBuffers):
+    """The reduce-scatter with buffers from the backend (a :class:`ReduceScatterComm`)."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self._register(group, input_tensor, output_tensor)
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
 
 
 def run_hook(overrides: CommOverrides, output: torch.Tensor) -> None:

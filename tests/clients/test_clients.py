@@ -32,7 +32,7 @@ ENV = {"TORCHELASTIC_RUN_ID": "fullshard-clients"}  # Fabric: adopt the process 
 
 
 def close(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(
+    return len(a) == len(b) > 0 and all(
         math.isclose(x, y, rel_tol=0, abs_tol=TOL) for x, y in zip(a, b)
     )
 
