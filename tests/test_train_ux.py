@@ -235,6 +235,35 @@ def test_resume_with_another_optimizer_is_refused_before_launch(
     assert rc == 2 and "--resume " in err and "saved by an --optimizer muon run" in err, err
 
 
+def test_muon_ns_dtype_is_this_runs_after_a_resume(tmp_path: Path) -> None:
+    """--muon-ns-dtype auto: float32 on CPU; a resumed run computes in its own dtype, not
+    the one its checkpoint was saved with (the checkpoint's options win on load)."""
+    import torch
+
+    import fullshard.checkpoint as ckpt
+    from fullshard.train.config import replace
+    from fullshard.train.models import build_model, units_of
+    from fullshard.train.optim import build_optimizer, muon_ns_dtype, set_ns_dtype
+    from fullshard.train.presets import get_preset
+
+    assert muon_ns_dtype("auto", torch.device("cpu")) == "float32"
+    assert muon_ns_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert muon_ns_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
+    path = save_train_checkpoint(tmp_path / "ckpt", optimizer="muon")  # saved with float32
+    model = build_model(replace(get_preset("tiny"), optimizer="muon"))
+    opt = build_optimizer(
+        model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), kind="muon",
+        layers=units_of(model).layers, ns_dtype="bfloat16",
+    )  # fmt: skip
+    ckpt.load(path, model=model, optimizer=opt)
+    assert [g.get("ns_dtype") for g in opt.param_groups] == ["float32", None, None]
+    set_ns_dtype(opt, "bfloat16")
+    model(torch.zeros(2, 8, dtype=torch.long)).float().sum().backward()
+    opt.step()
+    inner = opt.optimizers[0].inner  # type: ignore[attr-defined]
+    assert [g["ns_dtype"] for g in inner.param_groups] == ["bfloat16"]
+
+
 def test_damaged_newest_checkpoint_is_skipped_before_launch(
     tmp_path: Path, corpus: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
 ) -> None:
