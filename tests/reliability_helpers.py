@@ -115,19 +115,27 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
 
 
 def save_train_checkpoint(path: Path, step: int = 1, **changes: Any) -> Path:
-    """A checkpoint like ``fullshard train`` writes (tiny GPT with ``changes`` to its shape,
-    AdamW state, sampler), written in-process on one rank."""
+    """A checkpoint like ``fullshard train`` writes (tiny GPT with ``changes`` to its shape or
+    ``optimizer``, its optimizer's state, sampler), written in-process on one rank."""
     import fullshard.checkpoint as ckpt
     from fullshard.train.config import replace
     from fullshard.train.data import Sampler
-    from fullshard.train.models import build_model
+    from fullshard.train.models import build_model, units_of
     from fullshard.train.optim import build_optimizer
     from fullshard.train.presets import get_preset
 
     cfg = replace(get_preset("tiny"), **changes)
     torch.manual_seed(0)
     model = build_model(cfg)
-    opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = build_optimizer(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(0.9, 0.95),
+        kind=cfg.optimizer,
+        layers=units_of(model).layers,
+        ns_dtype="float32",
+    )
     model(torch.zeros(2, 8, dtype=torch.long)).float().sum().backward()
     opt.step()
     sampler = Sampler(10_000, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=0)

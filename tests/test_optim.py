@@ -1,7 +1,8 @@
 """fullshard.optim.WholeTensor: whole-matrix optimizers under full sharding, exactly.
 
 The oracle is one process with the same optimizers on the unsharded model. Each spawn runs
-many sub-cases: 2 ranks (Muon + AdamW with clipping, Shampoo + WholeTensor(AdamW), plain Muon
+many sub-cases: 2 ranks (Muon + AdamW, float32 Muon and Shampoo + WholeTensor(AdamW) with
+clipping and the batch split over the ranks, plain Muon
 on shards drifting, traffic and state bounds, state_dict round trip, a save), 3 ranks
 (parity under CPUOffloadPolicy, resume of the 2-rank save), 4 ranks (parity on a 1-D mesh and
 on a 2x2 HSDP mesh) and 1 rank.
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 import fullshard.checkpoint as ckpt
 from fullshard import CPUOffloadPolicy, clip_grad_norm_, fully_shard
 from fullshard.bench import optim as bench_optim
-from fullshard.optim import MultiOptimizer, Shampoo, WholeTensor
+from fullshard.optim import MultiOptimizer, Muon, Shampoo, WholeTensor
 from fullshard.testing import run_distributed
 
 VOCAB, DIM, SEQ, BATCH, STEPS, SAVE_AT = 11, 12, 4, 12, 6, 3
@@ -90,6 +91,14 @@ def make_optimizer(model: nn.Module, kind: str, sharded: bool) -> torch.optim.Op
         else:
             muon = torch.optim.Muon(matrices, **kw)
         return MultiOptimizer(muon, torch.optim.AdamW(rest, lr=1e-2, foreach=False))
+    if kind == "muon32":  # ours, Newton-Schulz in float32 (what the trainer runs on CPU)
+        kw = {"lr": 0.05, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+        muon = (
+            WholeTensor(Muon, matrices, ns_dtype="float32", **kw)
+            if sharded
+            else Muon(matrices, ns_dtype="float32", **kw)
+        )
+        return MultiOptimizer(muon, torch.optim.AdamW(rest, lr=1e-2, foreach=False))
     if kind == "plain_muon":  # torch.optim.Muon straight on the shards: the wrong update
         return MultiOptimizer(
             torch.optim.Muon(matrices, lr=0.05, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
@@ -140,14 +149,14 @@ def train_step(
 # differ by 1e-8 (another summation order of the ranks' contributions, or of a clipping norm)
 # once made a weight differ by 2.6e-4 at step 6, for WholeTensor and the single process alike.
 # Muon's parity cases therefore give every rank the whole batch (the gradient average of equal
-# contributions is exact) and clip above the norm; the fp32 Shampoo + AdamW cases split the
-# batch over the ranks and clip for real.
+# contributions is exact) and clip above the norm; the fp32 cases (Shampoo + AdamW, and
+# fullshard.optim.Muon with ns_dtype="float32") split the batch over the ranks and clip for real.
 def _dp(kind: str, dp: tuple[int, int]) -> tuple[int, int]:
-    return dp if kind == "shampoo" else (0, 1)
+    return dp if kind in ("shampoo", "muon32") else (0, 1)
 
 
 def _clip(kind: str) -> float:
-    return 0.5 if kind == "shampoo" else 1e3
+    return 0.5 if kind in ("shampoo", "muon32") else 1e3
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -165,7 +174,7 @@ def reference(kind: str) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for step in range(STEPS):
         norm = train_step(model, opt, step, clip=_clip(kind))
-        assert kind != "shampoo" or norm > _clip(kind)  # the clipping is real
+        assert _clip(kind) > 1e2 or norm > _clip(kind)  # the clipping is real
         if step == SAVE_AT:
             out["next"] = full_weights(model)
     out["final"] = full_weights(model)
@@ -228,6 +237,7 @@ def _two_ranks(root: str) -> dict[str, Any]:
         kind: train(kind, save=None if kind == "plain_muon" else f"{root}/{kind}")
         for kind in ("muon", "shampoo", "plain_muon")
     }
+    out["muon32"] = train("muon32")
     cfg = bench_optim.OptimBenchConfig(n_layer=1, d_model=8, steps=2, warmup=1)
     out["bench"] = {m: bench_optim._worker(cfg, m) for m in bench_optim.MODES}
     return out
@@ -262,7 +272,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def refs() -> dict[str, Any]:
-    return {kind: reference(kind) for kind in ("muon", "shampoo")}
+    return {kind: reference(kind) for kind in ("muon", "shampoo", "muon32")}
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +283,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]],
 
 def test_two_ranks_match_one_process(two: Any, refs: dict[str, Any]) -> None:
     (r0, r1), _ = two
-    for kind in ("muon", "shampoo"):
+    for kind in ("muon", "shampoo", "muon32"):
         assert _max_diff(r0[kind]["final"], refs[kind]["final"]) < 1e-5, kind
         assert _max_diff(r0[kind]["final"], r1[kind]["final"]) == 0.0
     assert torch.equal(r0["muon"]["final"]["frozen.weight"], make_model().frozen.weight)
@@ -377,3 +387,57 @@ def test_multi_optimizer_groups_stay_live_after_load() -> None:
     assert [g["lr"] for o in opt.optimizers for g in o.param_groups] == [0.5, 0.5]
     with pytest.raises(ValueError, match="more than one parameter group"):
         MultiOptimizer(torch.optim.SGD([a], lr=1.0), torch.optim.SGD([a], lr=1.0))
+
+
+# ---- fullshard.optim.Muon: torch.optim.Muon with a Newton-Schulz dtype (one process)
+
+
+def _muon_run(make: Any, steps: int = 4) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """Tall, wide and square matrices in two groups (Nesterov and not, both lr rules)."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape)) for shape in ((30, 12), (12, 30), (16, 16))]
+    opt = make(
+        [{"params": params[:2]}, {"params": params[2:], "nesterov": False, "adjust_lr_fn": None}]
+    )
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+def test_muon_is_torch_muon_bit_for_bit_in_bfloat16() -> None:
+    kw: dict[str, Any] = {"lr": 0.05, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    theirs, t_opt = _muon_run(lambda g: torch.optim.Muon(g, **kw))
+    ours, o_opt = _muon_run(lambda g: Muon(g, **kw))  # ns_dtype="bfloat16", the default
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    assert isinstance(o_opt, torch.optim.Muon)
+    # torch.optim.Muon's state dict (no ns_dtype) loads and steps on as torch's does.
+    sd = copy.deepcopy(t_opt.state_dict())
+    for opt in (t_opt, o_opt):
+        opt.load_state_dict(copy.deepcopy(sd))
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            p.grad = torch.ones_like(p)
+        opt.step()
+    t_params = [p for g in t_opt.param_groups for p in g["params"]]
+    o_params = [p for g in o_opt.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(t_params, o_params))
+
+
+def test_muon_float32_is_closer_to_exact_than_bfloat16() -> None:
+    kw: dict[str, Any] = {"lr": 0.05, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    runs = {
+        dtype: _muon_run(lambda g, d=dtype: Muon(g, ns_dtype=d, **kw))[0]
+        for dtype in ("bfloat16", "float32", "float64")
+    }
+
+    def diff(a: str, b: str) -> float:
+        return max((x - y).abs().max().item() for x, y in zip(runs[a], runs[b]))
+
+    assert diff("float32", "float64") < 1e-5  # also: the momentum buffer is not scaled in place
+    assert diff("bfloat16", "float64") > 1e-4  # the dtype is the one asked for
+    with pytest.raises(ValueError, match="a string, so that checkpoints can store it"):
+        Muon([nn.Parameter(torch.zeros(2, 2))], ns_dtype=torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"floating dtype.*'int32'"):
+        Muon([{"params": [nn.Parameter(torch.zeros(2, 2))], "ns_dtype": "int32"}])

@@ -174,18 +174,20 @@ def test_two_agents_multi_node(reference: tuple[Path, str], tmp_path: Path) -> N
 
 
 def test_precision_checkpointing_offload_and_time_budget(tmp_path: Path) -> None:
-    """bf16 + activation checkpointing + CPU offload train (loss falls, stays finite), and
-    --time-budget stops the run early with a resumable checkpoint at the step it reached."""
+    """bf16 + activation checkpointing + CPU offload + Muon train (loss falls, stays finite),
+    and --time-budget stops the run early with a resumable checkpoint at the step it reached."""
     run_dir = tmp_path / "run"
     flags = [
         "--preset", "tiny", "--max-steps", "100000", "--time-budget", "12",
         "--mixed-precision", "bf16", "--activation-checkpointing", "--cpu-offload",
+        "--optimizer", "muon",
         "--eval-every", "0", "--sample-tokens", "0", "--log-every", "10",
     ]  # fmt: skip
     proc = _run(*flags, "--run-dir", str(run_dir), cwd=tmp_path)
     config = from_toml(str(run_dir / "config.toml"))
     assert config["mixed_precision"] == "bf16"
     assert config["activation_checkpointing"] is True and config["cpu_offload"] is True
+    assert config["optimizer"] == "muon" and config["muon_ns_dtype"] == "auto"
     stop = read_metrics(run_dir / "metrics.jsonl")[-1]
     assert (stop["kind"], stop["reason"]) == ("stop", "time_budget"), proc.stdout
     losses = _train_losses(run_dir)
@@ -195,6 +197,8 @@ def test_precision_checkpointing_offload_and_time_budget(tmp_path: Path) -> None
     assert last < first - 0.3, f"loss did not fall under bf16 + AC + offload: {first} -> {last}"
     assert Path(stop["checkpoint"]).name == f"step_{stop['step']:08d}"
     assert Path(stop["checkpoint"]).is_dir()
+    groups = json.loads((Path(stop["checkpoint"]) / "manifest.json").read_text())
+    assert groups["optimizer"]["param_groups"][0]["options"]["ns_dtype"] == "float32"  # auto, CPU
     assert "time budget reached" in proc.stdout + proc.stderr
 
 

@@ -3,9 +3,10 @@
 - Fast start: ``--help`` and argument errors never import torch.
 - ``--help`` shows the chosen preset's defaults and no reStructuredText markup; a bad TOML
   value names its key and the expected type; ``bench --steps -2`` names ``--steps``.
-- Runs of different models get different default run directories; auto-resume into a run
-  directory of another model is refused before launch (one screen, the first differing names,
-  the fix; nothing written); a damaged newest checkpoint is skipped for an intact one.
+- Runs of different models or optimizers get different default run directories; auto-resume
+  into a run directory of another model is refused before launch (one screen, the first
+  differing names, the fix; nothing written), so is a resume of another optimizer's
+  checkpoint; a damaged newest checkpoint is skipped for an intact one.
 - Failure reports: which failures stop the job (deterministic) and which restart it.
 """
 
@@ -163,6 +164,10 @@ def test_default_run_names_differ_by_model() -> None:
     assert wider not in ("runs/tiny", llama) and wider.startswith("runs/tiny-")
     assert run_dir("--preset", "tiny", "--d-model", "128", "--name", "w") == "runs/w"
     assert run_dir("--preset", "llama-1b") == "runs/llama-1b"
+    # Another optimizer's checkpoints cannot be resumed: the optimizer is in the name.
+    assert run_dir("--optimizer", "muon") == "runs/small-muon"
+    assert run_dir("--preset", "tiny", "--d-model", "128", "--optimizer", "muon") == wider + "-muon"
+    assert run_dir("--optimizer", "muon", "--name", "w") == "runs/w"
 
 
 def _gpt_run(run_dir: Path, *steps: int) -> None:
@@ -203,6 +208,60 @@ def test_auto_resume_of_another_model_is_refused_before_launch(
     assert rc == 2 and "does not fit the model this command builds" in err, err
     assert "'model.embed_tokens.weight'" in err and "and 17 more" in err
     assert "strict=False" not in err and not other.exists()
+
+
+def test_resume_with_another_optimizer_is_refused_before_launch(
+    tmp_path: Path, corpus: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An AdamW run's checkpoints and ``--optimizer muon`` (and the reverse): one screen
+    naming both optimizers and the fix, before anything launches; the same optimizer resumes."""
+    base = ["train", "--preset", "tiny", "--data", str(corpus)]
+    for saved, asked in (("adamw", "muon"), ("muon", "adamw")):
+        run_dir = tmp_path / saved
+        save_train_checkpoint(run_dir / "checkpoints" / "step_00000010", step=10, optimizer=saved)
+        rc, _, err = _main([*base, "--run-dir", str(run_dir), "--optimizer", asked], capsys)
+        assert rc == 2 and no_launch == [], err
+        assert err.startswith("fullshard train: error: ") and err.count("\n") == 1, err
+        assert len(err) < 1200, f"more than a screen:\n{err}"
+        assert f"{run_dir} holds checkpoints of an --optimizer {saved} run" in err, err
+        assert f"this command trains with --optimizer {asked}" in err, err
+        assert f"Resume that run with --optimizer {saved}" in err, err
+        assert "--name NAME or --run-dir DIR" in err, err
+        assert ("runs/tiny-muon" if asked == "muon" else "runs/tiny)") in err, err
+        rc, _, err = _main([*base, "--run-dir", str(run_dir), "--optimizer", saved], capsys)
+        assert rc == 0 and len(no_launch) == 1, err
+        no_launch.clear()
+    rc, _, err = _main([*base, "--run-dir", str(tmp_path / "x"), "--resume", str(run_dir)], capsys)
+    assert rc == 2 and "--resume " in err and "saved by an --optimizer muon run" in err, err
+
+
+def test_muon_ns_dtype_is_this_runs_after_a_resume(tmp_path: Path) -> None:
+    """--muon-ns-dtype auto: float32 on CPU; a resumed run computes in its own dtype, not
+    the one its checkpoint was saved with (the checkpoint's options win on load)."""
+    import torch
+
+    import fullshard.checkpoint as ckpt
+    from fullshard.train.config import replace
+    from fullshard.train.models import build_model, units_of
+    from fullshard.train.optim import build_optimizer, muon_ns_dtype, set_ns_dtype
+    from fullshard.train.presets import get_preset
+
+    assert muon_ns_dtype("auto", torch.device("cpu")) == "float32"
+    assert muon_ns_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert muon_ns_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
+    path = save_train_checkpoint(tmp_path / "ckpt", optimizer="muon")  # saved with float32
+    model = build_model(replace(get_preset("tiny"), optimizer="muon"))
+    opt = build_optimizer(
+        model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), kind="muon",
+        layers=units_of(model).layers, ns_dtype="bfloat16",
+    )  # fmt: skip
+    ckpt.load(path, model=model, optimizer=opt)
+    assert [g.get("ns_dtype") for g in opt.param_groups] == ["float32", None, None]
+    set_ns_dtype(opt, "bfloat16")
+    model(torch.zeros(2, 8, dtype=torch.long)).float().sum().backward()
+    opt.step()
+    inner = opt.optimizers[0].inner  # type: ignore[attr-defined]
+    assert [g["ns_dtype"] for g in inner.param_groups] == ["bfloat16"]
 
 
 def test_damaged_newest_checkpoint_is_skipped_before_launch(

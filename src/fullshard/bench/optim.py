@@ -4,12 +4,17 @@ The block matrices of a GPT-shaped stack (``n_layer`` blocks of qkv ``3d x d``, 
 fc ``4d x d``, fc2 ``d x 4d``), fully sharded on local gloo ranks, get random gradients and
 are stepped by:
 
-- ``wholetensor``: ``WholeTensor(torch.optim.Muon)``, one owner per matrix (exact);
+- ``wholetensor``: ``WholeTensor(Muon)``, one owner per matrix (exact);
 - ``naive``: every rank all-gathers every gradient and runs Muon on every whole matrix,
   keeping whole copies and momentum of all of them (exact, N x the compute and memory);
 - ``adamw``: plain sharded AdamW (element-wise, no exchange: the usual baseline);
-- ``sharded_muon``: ``torch.optim.Muon`` straight on the row shards (cheap and *wrong*: a
-  different update, see docs/optim.md).
+- ``sharded_muon``: Muon straight on the row shards (cheap and *wrong*: a different update,
+  see docs/optim.md).
+
+Muon is :class:`fullshard.optim.Muon` with its Newton-Schulz iteration in float32, as
+``fullshard train`` runs it on a CPU: in bfloat16 (``torch.optim.Muon``'s) the emulated bf16
+matmuls of a CPU without bf16 units take ~30x longer and hide what the modes differ in (see
+[Note: Newton-Schulz dtype]); ``ns_dtype`` in the config changes it.
 
 Reported per mode: median optimizer-step time (the slowest rank's), optimizer memory per rank
 (state plus whole copies) and bytes sent per rank per step. Forward and backward are not run:
@@ -31,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import fully_shard
-from fullshard.optim import WholeTensor
+from fullshard.optim import Muon, WholeTensor
 from fullshard.testing import run_distributed
 
 __all__ = ["MODES", "OptimBenchConfig", "main", "run", "table"]
@@ -49,6 +54,7 @@ class OptimBenchConfig:
     warmup: int = 1
     nproc: int = 2
     modes: tuple[str, ...] = MODES
+    ns_dtype: str = "float32"  # Muon's Newton-Schulz dtype; "bfloat16" is torch.optim.Muon's
 
 
 class _Block(nn.Module):
@@ -66,7 +72,7 @@ class _Naive(torch.optim.Optimizer):
     def __init__(self, params: list[nn.Parameter], **kwargs: Any) -> None:
         super().__init__(params, {})
         self.whole = [nn.Parameter(p.full_tensor().detach().clone()) for p in params]  # type: ignore[attr-defined]
-        self.inner = torch.optim.Muon(self.whole, **kwargs)
+        self.inner = Muon(self.whole, **kwargs)
         self.sent_bytes = 0
 
     @torch.no_grad()
@@ -109,15 +115,16 @@ def _worker(cfg: OptimBenchConfig, mode: str) -> dict[str, Any]:
     fully_shard(model)
     params = list(model.parameters())
     muon: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    muon["ns_dtype"] = cfg.ns_dtype
     opt: torch.optim.Optimizer
     if mode == "wholetensor":
-        opt = WholeTensor(torch.optim.Muon, params, **muon)
+        opt = WholeTensor(Muon, params, **muon)
     elif mode == "naive":
         opt = _Naive(params, **muon)
     elif mode == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
     else:
-        opt = torch.optim.Muon(params, **muon)
+        opt = Muon(params, **muon)
     times, sent = [], 0
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     for step in range(cfg.steps):
@@ -174,7 +181,7 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"optimizer step, {c['n_layer']} blocks x d_model {c['d_model']} "
         f"({params:.1f} MiB of fp32 matrices), {c['nproc']} gloo ranks, median of "
-        f"{c['steps'] - c['warmup']} steps",
+        f"{c['steps'] - c['warmup']} steps, Muon's Newton-Schulz in {c.get('ns_dtype', 'bfloat16')}",
         "",
         "| mode | step s | optimizer memory MiB/rank | sent MiB/rank/step | exact Muon |",
         "|---|---|---|---|---|",

@@ -4,6 +4,8 @@
   sharded model, exactly (each tensor stepped by one owner rank).
 - :class:`MultiOptimizer`: several optimizers over disjoint parameters as one (Muon on the
   matrices, AdamW on the rest).
+- :class:`Muon`: ``torch.optim.Muon`` with a choice of Newton-Schulz dtype (float32 is the
+  fast one on CPUs without native bf16 matmuls).
 - :class:`Shampoo`: a small whole-matrix preconditioner optimizer (a reference and test case).
 
 See ``docs/optim.md``.
@@ -11,7 +13,8 @@ See ``docs/optim.md``.
 
 from .exchange import Traffic
 from .multi import MultiOptimizer
+from .muon import Muon
 from .shampoo import Shampoo
 from .whole import WholeTensor
 
-__all__ = ["MultiOptimizer", "Shampoo", "Traffic", "WholeTensor"]
+__all__ = ["MultiOptimizer", "Muon", "Shampoo", "Traffic", "WholeTensor"]

@@ -25,12 +25,13 @@ import torch
 
 from fullshard.train import data as data_mod
 from fullshard.train import hf
-from fullshard.train.config import ConfigError, TrainConfig, check_batch
+from fullshard.train.config import ConfigError, TrainConfig, check_batch, replace
 from fullshard.train.models import count_parameters, vocab_size_of
 from fullshard.train.tokenized import PendingCache, cached_stream
 
 if TYPE_CHECKING:
     from fullshard.checkpoint import CheckpointMismatchError
+    from fullshard.train.guard import OptimizerMismatch
 
 __all__ = ["Checked", "commit", "default_nproc", "uses_cuda", "validate"]
 
@@ -148,7 +149,7 @@ def _check_resume(cfg: TrainConfig) -> None:
         CheckpointMismatchError,
         list_checkpoints,
     )
-    from fullshard.train.guard import check_resume_checkpoint
+    from fullshard.train.guard import OptimizerMismatch, check_resume_checkpoint
 
     run_dir = Path(cfg.resolved_run_dir())
     own = list_checkpoints(run_dir / "checkpoints")[::-1]  # newest first
@@ -167,6 +168,8 @@ def _check_resume(cfg: TrainConfig) -> None:
             return
         except CheckpointMismatchError as e:
             raise ConfigError(_mismatch_message(cfg, e, path, auto=auto)) from None
+        except OptimizerMismatch as e:
+            raise ConfigError(_optimizer_message(cfg, e, path, auto=auto)) from None
         except CheckpointCorruptedError as e:
             if auto and i + 1 < len(candidates):
                 continue  # the ranks fall back to an older one, and say so
@@ -206,9 +209,28 @@ def _mismatch_message(
     )
 
 
+def _optimizer_message(cfg: TrainConfig, e: OptimizerMismatch, path: Path, *, auto: bool) -> str:
+    """One screen: the checkpoint holds another optimizer's state."""
+    was = f"an --optimizer {e.saved_by} run" if e.saved_by else "another optimizer"
+    where = (
+        f"{cfg.resolved_run_dir()} holds checkpoints of {was} (newest: {path.name}; --resume "
+        "auto would load it)"
+        if auto
+        else f"--resume {cfg.resume}: the checkpoint was saved by {was}"
+    )
+    keep = f"--optimizer {e.saved_by}" if e.saved_by else "the optimizer it was saved with"
+    return (
+        f"{where}, but this command trains with --optimizer {cfg.optimizer}: its state does not "
+        f"fit (saved param groups of {e.saved} parameters, {cfg.optimizer}'s {e.wanted}). "
+        f"Resume that run with {keep}, or train this one in its own run directory (--name NAME "
+        f"or --run-dir DIR; by default --optimizer {cfg.optimizer} runs in "
+        f"runs/{replace(cfg, name='').resolved_name()})"
+    )
+
+
 def _model_flags_of(config_path: Path, cfg: TrainConfig) -> str:
     """How the model in a run's config.toml differs from ``cfg``'s, as flags ('' if unknown)."""
-    from fullshard.train.config import flag, from_toml, replace
+    from fullshard.train.config import flag, from_toml
 
     try:
         other = replace(cfg, **from_toml(str(config_path)))

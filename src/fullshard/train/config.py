@@ -145,9 +145,14 @@ class TrainConfig:
     beta2: float = 0.95
     """AdamW beta2."""
     optimizer: Literal["adamw", "muon"] = "adamw"
-    """adamw, or muon: torch.optim.Muon on the 2-D weights of the blocks, stepped on whole
-    matrices (fullshard.optim.WholeTensor; same --lr and --weight-decay, RMS-matched to AdamW),
-    AdamW on embeddings, head and 1-D parameters."""
+    """adamw, or muon: Muon (torch.optim.Muon's update) on the 2-D weights of the blocks,
+    stepped on whole matrices (fullshard.optim.WholeTensor; same --lr and --weight-decay,
+    RMS-matched to AdamW), AdamW on embeddings, head and 1-D parameters. The default run name
+    gets a -muon suffix, so the two never share a run directory."""
+    muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of Muon's Newton-Schulz orthogonalisation: bfloat16 (torch.optim.Muon's choice,
+    fast on GPUs) or float32 (~30x faster on CPUs without native bf16 matmuls); auto picks
+    float32 on CPU, bfloat16 on GPU."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     max_skipped_steps: int = 10
@@ -276,7 +281,9 @@ class TrainConfig:
     def resolved_name(self) -> str:
         """The run name: ``--name``; else the preset's name when the model is the preset's,
         or the preset's name and a short hash of :meth:`model_identity` when it is not
-        (``tiny-1a2b3c4d``), so runs of different models never share a run directory."""
+        (``tiny-1a2b3c4d``), so runs of different models never share a run directory; then
+        ``-muon`` for ``--optimizer muon`` (``small-muon``), whose checkpoints AdamW's cannot
+        resume (nor the reverse)."""
         if self.name:
             return self.name
         from fullshard.train.presets import PRESETS  # presets import this module
@@ -284,9 +291,13 @@ class TrainConfig:
         model = self.model_identity()
         make = PRESETS.get(self.preset)
         if make is not None and make().model_identity() == model:
-            return self.preset
-        digest = hashlib.sha1(json.dumps(model, sort_keys=True).encode()).hexdigest()[:8]
-        return f"{self.preset}-{digest}"
+            name = self.preset
+        else:
+            digest = hashlib.sha1(json.dumps(model, sort_keys=True).encode()).hexdigest()[:8]
+            name = f"{self.preset}-{digest}"
+        # Another optimizer's checkpoints cannot be resumed: its own directory (AdamW, the
+        # default, keeps the plain name, as before).
+        return name if self.optimizer == "adamw" else f"{name}-{self.optimizer}"
 
     def resolved_run_dir(self) -> str:
         """The run directory: ``--run-dir``, else ``runs/<name>``."""

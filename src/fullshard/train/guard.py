@@ -287,3 +287,40 @@ def check_resume_checkpoint(cfg: TrainConfig, path: str) -> None:
         apply_model_state(model, source, shapes, str(reader.path), strict=True)  # type: ignore[arg-type]
     except _Fits:
         pass
+    _check_optimizer_groups(cfg, model, [sorted(g["params"]) for g in m.optimizer.param_groups])
+
+
+class OptimizerMismatch(Exception):
+    """A checkpoint's optimizer param groups are not the ones ``cfg.optimizer`` builds."""
+
+    def __init__(self, saved_by: str | None, saved: list[int], wanted: list[int]) -> None:
+        self.saved_by = saved_by  # the --optimizer whose groups the checkpoint has, if any
+        self.saved = saved  # parameters per saved group
+        self.wanted = wanted  # parameters per group of this command's optimizer
+        super().__init__(f"param groups of {saved} parameters, this optimizer's {wanted}")
+
+
+def _check_optimizer_groups(
+    cfg: TrainConfig, model: torch.nn.Module, saved: list[list[str]]
+) -> None:
+    """``saved`` (FQNs per param group) are the groups ``--optimizer`` builds for ``model``;
+    else :class:`OptimizerMismatch`, naming the optimizer that built them when one did."""
+    from fullshard.train.models import units_of
+    from fullshard.train.optim import optimizer_groups
+
+    fqn_of = {id(p): n for n, p in model.named_parameters()}
+    layers = units_of(model).layers
+
+    def groups(kind: str) -> list[list[str]] | None:
+        try:
+            return [sorted(fqn_of[id(p)] for p in g) for g in optimizer_groups(model, kind, layers)]
+        except ValueError:  # muon on a model without block matrices
+            return None
+
+    wanted = groups(cfg.optimizer)
+    if wanted == saved:
+        return
+    others = [k for k in ("adamw", "muon") if k != cfg.optimizer and groups(k) == saved]
+    raise OptimizerMismatch(
+        others[0] if others else None, [len(g) for g in saved], [len(g) for g in wanted or []]
+    )

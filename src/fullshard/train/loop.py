@@ -51,7 +51,7 @@ from fullshard.train.models import (
     materialize,
     units_of,
 )
-from fullshard.train.optim import LossScaler, build_optimizer, lr_at
+from fullshard.train.optim import LossScaler, build_optimizer, lr_at, muon_ns_dtype, set_ns_dtype
 from fullshard.train.parallelize import ParallelPlan, parallelize
 
 __all__ = ["DistEnv", "train"]
@@ -290,6 +290,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         if cfg.hf_weights_source:  # built on meta, so not loaded yet: each rank reads its rows
             ckpt.load_full_state_dict_from_file(model, cfg.hf_weights_source)
     model_description = describe(model)
+    ns_dtype = muon_ns_dtype(cfg.muon_ns_dtype, env.device)
     optimizer = build_optimizer(
         model,
         lr=cfg.lr,
@@ -297,6 +298,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         betas=(cfg.beta1, cfg.beta2),
         kind=cfg.optimizer,
         layers=units.layers,
+        ns_dtype=ns_dtype,
     )
     scaler = LossScaler(cfg.mixed_precision == "fp16")
 
@@ -310,6 +312,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         skipped_total = int(extra.get("skipped_steps", 0))
         sampler.load_state_dict(extra["sampler"])
         scaler.load_state_dict(extra.get("scaler", {}))
+        set_ns_dtype(optimizer, ns_dtype)
     say(
         f"fullshard train: {cfg.resolved_name()} | {kind}, {n_params / 1e6:.2f}M parameters | "
         f"{env.world_size} rank(s) on {env.device.type} | global batch {cfg.global_batch} x "

@@ -12,25 +12,22 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["LossScaler", "build_optimizer", "lr_at"]
+__all__ = [
+    "LossScaler",
+    "build_optimizer",
+    "lr_at",
+    "muon_ns_dtype",
+    "optimizer_groups",
+    "set_ns_dtype",
+]
 
 
-def build_optimizer(
-    model: nn.Module,
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    kind: str = "adamw",
-    layers: Sequence[nn.Module] = (),
-) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not biases, norm scales or 1-D params).
-
-    ``kind="muon"``: ``torch.optim.Muon`` on the 2-D weights of ``layers`` (the blocks), run on
-    whole matrices by :class:`fullshard.optim.WholeTensor`, with the same ``lr`` and weight
-    decay (``adjust_lr_fn="match_rms_adamw"`` scales its update to AdamW's RMS), and AdamW as
-    above on everything else (embeddings, head, 1-D parameters).
-    """
+def optimizer_groups(
+    model: nn.Module, kind: str, layers: Sequence[nn.Module] = ()
+) -> list[list[nn.Parameter]]:
+    """The parameters of each param group :func:`build_optimizer` makes, in its order:
+    ``adamw``: [decayed matrices, 1-D]; ``muon``: [Muon's block matrices, AdamW's decayed
+    matrices, AdamW's 1-D]. Needs no storage (works on a meta model)."""
     matrices: list[nn.Parameter] = []
     if kind == "muon":
         matrices = [
@@ -44,21 +41,68 @@ def build_optimizer(
         raise ValueError(f"unknown optimizer {kind!r}; choose adamw or muon")
     in_muon = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_muon]
-    groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    adamw = [[p for p in rest if p.dim() >= 2], [p for p in rest if p.dim() < 2]]
+    return [matrices, *adamw] if matrices else adamw
+
+
+def muon_ns_dtype(choice: str, device: torch.device) -> str:
+    """``--muon-ns-dtype``: ``auto`` is float32 on a CPU (which emulates bf16 matmuls) and
+    bfloat16 (``torch.optim.Muon``'s) elsewhere; see [Note: Newton-Schulz dtype]."""
+    if choice != "auto":
+        return choice
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    kind: str = "adamw",
+    layers: Sequence[nn.Module] = (),
+    ns_dtype: str = "bfloat16",
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not biases, norm scales or 1-D params).
+
+    ``kind="muon"``: :class:`fullshard.optim.Muon` (``torch.optim.Muon``'s update, its
+    Newton-Schulz iteration in ``ns_dtype``) on the 2-D weights of ``layers`` (the blocks), run
+    on whole matrices by :class:`fullshard.optim.WholeTensor`, with the same ``lr`` and weight
+    decay (``adjust_lr_fn="match_rms_adamw"`` scales its update to AdamW's RMS), and AdamW as
+    above on everything else (embeddings, head, 1-D parameters). The groups are
+    :func:`optimizer_groups`'.
+    """
+    groups = optimizer_groups(model, kind, layers)
+    decayed, flat = groups[-2:]
     # foreach=False: one kernel per parameter keeps results bitwise identical to an
     # unsharded reference regardless of how parameters are grouped.
-    adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
-    if not matrices:
+    adamw = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": weight_decay}, {"params": flat, "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+        foreach=False,
+    )
+    if kind == "adamw":
         return adamw
-    from fullshard.optim import MultiOptimizer, WholeTensor
+    from fullshard.optim import MultiOptimizer, Muon, WholeTensor
 
     muon = WholeTensor(
-        torch.optim.Muon, matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
+        Muon,
+        groups[0],
+        lr=lr,
+        weight_decay=weight_decay,
+        adjust_lr_fn="match_rms_adamw",
+        ns_dtype=ns_dtype,
     )
     return MultiOptimizer(muon, adamw)
+
+
+def set_ns_dtype(optimizer: torch.optim.Optimizer, ns_dtype: str) -> None:
+    """Give every Muon group ``ns_dtype`` again after a resume (a checkpoint's options win
+    on load, but the compute dtype is this run's: it may run on another device)."""
+    for group in optimizer.param_groups:
+        if "ns_dtype" in group:
+            group["ns_dtype"] = ns_dtype
 
 
 def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
