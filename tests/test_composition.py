@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import composition_cases
+from composition_cases import BlockNet, block_net
 from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_, count_collectives, fully_shard
 from fullshard.testing import run_distributed
@@ -44,23 +45,8 @@ class TPBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class TPNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([TPBlock() for _ in range(2)])
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-def _tp_net() -> TPNet:
-    torch.manual_seed(0)
-    return TPNet()
+def _tp_net() -> BlockNet:
+    return block_net(TPBlock)
 
 
 def _train(model, steps, dp_rank, dp_size, clip=None, dtype=torch.float32):
@@ -99,7 +85,7 @@ def _reference(make, steps, dtype=torch.float32, clip=torch.nn.utils.clip_grad_n
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _tp_fsdp(mesh: DeviceMesh, make=None, prepare=None, **fully_shard_kwargs) -> TPNet:
+def _tp_fsdp(mesh: DeviceMesh, make=None, prepare=None, **fully_shard_kwargs) -> BlockNet:
     """TP on each block (``prepare`` runs after it), then fully_shard over dp, bottom-up."""
     model = (make or _tp_net)()
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else mesh["replicate", "shard"]
@@ -123,11 +109,13 @@ def _four_ranks(path: str) -> dict:
     out["placements"] = [(type(p).__name__, p.dim) for p in w.placements]
     assert isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("dp", "tp")
     losses = _train(model, STEPS, mesh["dp"].get_local_rank(), 2, clip=clip_grad_norm_)
-    _compare("tp_fsdp", losses, ref_losses, full_state(model), ref_state, out)
+    out["saved"] = full_state(model)
+    _compare("tp_fsdp", losses, ref_losses, out["saved"], ref_state, out)
     ckpt.save(path, model=model)
     composition_cases.tp_variants_case(out, mesh, (ref_losses, ref_state))
     composition_cases.dp_mesh_dims_case(out)
     composition_cases.per_param_mesh_case(out)
+    composition_cases.spmd_forms_case(out)
     # A sub-mesh from a subgroup: ranks {0, 1} and {2, 3} each train the whole model.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     sub = DeviceMesh.from_group(pairs[rank // 2], "cpu")
@@ -147,7 +135,9 @@ def _two_or_three_ranks(path: str | None) -> dict:
     world = dist.get_world_size()
     ref_losses, ref_state = _reference(lambda: make_net(), STEPS)
     net = shard_net(make_net(), shard_placement_fn=_shard_dim)
-    out["placement"] = [(type(p).__name__, p.dim) for p in net.blocks[0].up.weight.placements]
+    up = net.blocks[0].up.weight  # [7, 10]: dim 1 splits 5 + 5 on 2 ranks, 4 + 4 + 2 on 3
+    out["placement"] = [(type(p).__name__, p.dim) for p in up.placements]
+    out["local_shape"] = tuple(up.to_local().shape)
     losses = _train(net, STEPS, dist.get_rank(), world, clip=clip_grad_norm_)
     _compare(f"shard_last_dim_{world}", losses, ref_losses, full_state(net), ref_state, out)
     out["unsharded_after_step"] = sum(st.group.unsharded_bytes_allocated for st in _states(net))
@@ -178,7 +168,7 @@ def _two_or_three_ranks(path: str | None) -> dict:
     return out
 
 
-def shard_net_tp_free() -> TPNet:
+def shard_net_tp_free() -> BlockNet:
     model = _tp_net()
     for b in model.blocks:
         fully_shard(b)
@@ -224,32 +214,49 @@ def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
                     ("ep_replicate", "ep_shard"),
                     ["Replicate", "Shard"],
                 )
-            assert r["per_param_mesh_groups"] == [
+            hsdp_beside_flat = [
                 ("all_gather", 2),
                 ("all_gather", 4),
                 ("all_reduce", 2),
                 ("reduce_scatter", 2),
                 ("reduce_scatter", 4),
             ]
+            assert r["per_param_mesh_groups"] == hsdp_beside_flat
+            # dp_mesh_dims' HSDP (replicate=) and flattened forms on a full (r, s) mesh, each
+            # beside experts given the other form by shard_placement_fn: as torch FSDP2 does.
+            hsdp = ("r", "s"), [("Replicate", None), ("Shard", 0)]
+            flat = ("r_s",), [("Shard", 0)]
+            for form, dense, experts in (("hsdp", hsdp, flat), ("flat", flat, hsdp)):
+                ours, fsdp2 = f"spmd_{form}", f"spmd_{form}_fsdp2"
+                _check(r, ours)
+                _check(r, fsdp2)
+                assert r[f"{ours}_placements"] == (dense, experts), r[f"{ours}_placements"]
+                assert r[f"{fsdp2}_placements"] == (dense, experts), r[f"{fsdp2}_placements"]
+                assert r[f"{ours}_groups"] == hsdp_beside_flat
+                assert r[f"{ours}_losses"] == r[f"{fsdp2}_losses"], form
         two = run_distributed(_two_or_three_ranks, 2, path)
         for r in two:
             assert r["placement"] == [("Shard", 1)]
+            assert r["local_shape"] == (7, 5)
             assert r["unsharded_after_step"] == 0
             _check(r, "shard_last_dim_2")
             _check(r, "extension_last_dim_2")
             assert r["ext_gather_dtypes"] == ["torch.float32", "torch.int32"]
             assert r["dtype64"] == "torch.float64"
             _check(r, "float64")
-        # The checkpoint saved on (dp=2, tp=2) loads on 2 plain FSDP ranks and on 1 process.
+        # The checkpoint saved on (dp=2, tp=2) loads on 2 plain FSDP ranks and on 1 process
+        # with the full weights it was saved with, bit for bit.
         single = _tp_net()
         ckpt.load(path, model=single)
-        full = {k: v.detach() for k, v in single.state_dict().items()}
-        for k, v in full.items():
-            assert torch.equal(two[0]["ckpt_2"][k], v), k
-        _, ref_state = _reference(_tp_net, STEPS)
-        for k, v in ref_state.items():
-            assert (full[k] - v).abs().max().item() < WEIGHT_TOL, k
+        saved = four[0]["saved"]
+        assert set(single.state_dict()) == set(saved) == set(two[0]["ckpt_2"])
+        for k, v in single.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+            for r in two:
+                assert torch.equal(r["ckpt_2"][k], saved[k]), k
     three = run_distributed(_two_or_three_ranks, 3, None)
+    assert [r["local_shape"] for r in three] == [(7, 4), (7, 4), (7, 2)]  # uneven Shard(1)
     for r in three:
+        assert r["placement"] == [("Shard", 1)]
         _check(r, "shard_last_dim_3")
         _check(r, "extension_last_dim_3")
