@@ -199,7 +199,7 @@ def _check(out: dict, name: str) -> None:
 def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/ckpt"
-        four = run_distributed(_four_ranks, 4, path)
+        four = run_distributed(_four_ranks, 4, path, start_method="forkserver")
         assert four[0]["placements"] == [("_StridedShard", 0), ("Shard", 0)]
         for r in four:
             for name in ("tp_fsdp", "from_group", "tp_offload", "tp_packed", "tp_meta_init"):

@@ -266,7 +266,7 @@ def _check(out: dict, name: str) -> None:
 
 
 def test_mixed_dtypes_and_compile() -> None:
-    results = run_distributed(_cases, 2)
+    results = run_distributed(_cases, 2, start_method="forkserver")
     for r in results:
         assert r["frozen_dtype"] == "torch.bfloat16"
         assert r["mixed_gather_dtypes"] == ["torch.bfloat16", "torch.float32"]
@@ -312,7 +312,7 @@ def _hsdp_tp() -> dict:
 
 
 def test_hsdp_tp_8_ranks() -> None:
-    for r in run_distributed(_hsdp_tp, 8):
+    for r in run_distributed(_hsdp_tp, 8, start_method="forkserver"):
         assert r["mesh"] == ("replicate", "shard", "tp")
         assert r["placements"] == ["Replicate", "_StridedShard", "Shard"]
         _check(r, "hsdp_tp")
@@ -360,7 +360,7 @@ def _inductor_all() -> dict:
 )
 def test_compile_inductor_blocks_and_model() -> None:
     """The long form of case 2c of test_mixed_dtypes_and_compile (CI runs one block)."""
-    for r in run_distributed(_inductor_all, 2):
+    for r in run_distributed(_inductor_all, 2, start_method="forkserver"):
         assert r["inductor_graphs"] > 0 and r["model_graphs"] > 0, r
         _check(r, "inductor_blocks")
         _check(r, "inductor_model")
