@@ -107,9 +107,12 @@ def run_distributed(
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
     child_env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     child_env.update(env or {})
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":  # no effect once the server runs (it keeps its imports)
+    if start_method == "forkserver":
+        ctx: Any = mp.get_context("forkserver")
+        # No effect once the server runs (it keeps what it imported at its start).
         ctx.set_forkserver_preload(["torch", "torch.distributed", "fullshard.api"])
+    else:
+        ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
