@@ -1,7 +1,8 @@
 """Composition: TP x FSDP on a (dp, tp) mesh, sub-meshes, Shard(d) placements, dtype casts.
 
 Every case trains against one process on the same global batch (fp32: rel. loss < 1e-5 at
-every step, full weights < 1e-4).
+every step, full weights < 1e-4). One spawn of 4 ranks runs them all: the 2- and 3-rank jobs
+(Shard(-1), float64, loading the TP checkpoint on plain FSDP) run on subgroup meshes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import composition_cases
+from composition_cases import BlockNet, block_net
 from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_, count_collectives, fully_shard
 from fullshard.testing import run_distributed
@@ -44,27 +46,13 @@ class TPBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class TPNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([TPBlock() for _ in range(2)])
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+def _tp_net() -> BlockNet:
+    return block_net(TPBlock)
 
 
-def _tp_net() -> TPNet:
-    torch.manual_seed(0)
-    return TPNet()
-
-
-def _train(model, steps, dp_rank, dp_size, clip=None, dtype=torch.float32):
-    """Train on this dp rank's slice of the global batch; per step the global mean loss."""
+def _train(model, steps, dp_rank, dp_size, clip=None, dtype=torch.float32, group=None):
+    """Train on this dp rank's slice of the global batch; per step the global mean loss (over
+    ``group``'s ranks, default all)."""
     opt = make_optimizer(model)
     losses = []
     per = GLOBAL_BATCH // dp_size
@@ -81,8 +69,8 @@ def _train(model, steps, dp_rank, dp_size, clip=None, dtype=torch.float32):
         opt.zero_grad()
         total = loss.detach().clone()
         if dist.is_initialized() and dp_size > 1:
-            dist.all_reduce(total)  # every rank of a dp slice holds the same loss
-            total /= dist.get_world_size()
+            dist.all_reduce(total, group=group)  # every rank of a dp slice holds the same loss
+            total /= dist.get_world_size(group)
         losses.append(total.item())
     return losses
 
@@ -99,7 +87,7 @@ def _reference(make, steps, dtype=torch.float32, clip=torch.nn.utils.clip_grad_n
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _tp_fsdp(mesh: DeviceMesh, make=None, prepare=None, **fully_shard_kwargs) -> TPNet:
+def _tp_fsdp(mesh: DeviceMesh, make=None, prepare=None, **fully_shard_kwargs) -> BlockNet:
     """TP on each block (``prepare`` runs after it), then fully_shard over dp, bottom-up."""
     model = (make or _tp_net)()
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else mesh["replicate", "shard"]
@@ -123,18 +111,39 @@ def _four_ranks(path: str) -> dict:
     out["placements"] = [(type(p).__name__, p.dim) for p in w.placements]
     assert isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("dp", "tp")
     losses = _train(model, STEPS, mesh["dp"].get_local_rank(), 2, clip=clip_grad_norm_)
-    _compare("tp_fsdp", losses, ref_losses, full_state(model), ref_state, out)
+    out["saved"] = full_state(model)
+    _compare("tp_fsdp", losses, ref_losses, out["saved"], ref_state, out)
     ckpt.save(path, model=model)
     composition_cases.tp_variants_case(out, mesh, (ref_losses, ref_state))
     composition_cases.dp_mesh_dims_case(out)
     composition_cases.per_param_mesh_case(out)
+    composition_cases.spmd_forms_case(out)
     # A sub-mesh from a subgroup: ranks {0, 1} and {2, 3} each train the whole model.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    sub = DeviceMesh.from_group(pairs[rank // 2], "cpu")
-    net_ref, net_state = _reference(lambda: make_net(), STEPS)
+    trio = dist.new_group([0, 1, 2])  # every rank creates every group
+    pair = pairs[rank // 2]
+    sub = DeviceMesh.from_group(pair, "cpu")
+    net_ref = _reference(lambda: make_net(), STEPS)
     net = shard_net(make_net(), mesh=sub)
-    losses = _train(net, STEPS, rank % 2, 2, clip=clip_grad_norm_)
-    _compare("from_group", losses, net_ref, full_state(net), net_state, out)
+    losses = _train(net, STEPS, rank % 2, 2, clip=clip_grad_norm_, group=pair)
+    _compare("from_group", losses, net_ref[0], full_state(net), net_ref[1], out)
+    # Then 2- and 3-rank jobs on subgroups (one spawn, not three): Shard(-1) on {0, 1}
+    # while {2, 3} load the checkpoint on plain FSDP and train in float64; then uneven
+    # Shard(-1) on {0, 1, 2}.
+    if rank < 2:
+        _shard_last_dim(out, sub, pair, net_ref)
+    else:
+        loaded = shard_net_tp_free(sub)
+        ckpt.load(path, model=loaded)
+        out["ckpt_2"] = full_state(loaded)
+        ref64 = _reference(lambda: make_net(), STEPS, dtype=torch.float64)
+        net64 = shard_net(make_net(), mesh=sub)
+        net64.to(torch.float64)
+        out["dtype64"] = str(net64.blocks[0].up.weight.dtype)
+        losses = _train(net64, STEPS, rank % 2, 2, clip_grad_norm_, torch.float64, pair)
+        _compare("float64", losses, ref64[0], full_state(net64), ref64[1], out)
+    if rank < 3:
+        _shard_last_dim(out, DeviceMesh.from_group(trio, "cpu"), trio, net_ref)
     return out
 
 
@@ -142,47 +151,36 @@ def _shard_dim(p: nn.Parameter):
     return Shard(-1) if p.dim() > 1 else None
 
 
-def _two_or_three_ranks(path: str | None) -> dict:
-    out: dict = {}
-    world = dist.get_world_size()
-    ref_losses, ref_state = _reference(lambda: make_net(), STEPS)
-    net = shard_net(make_net(), shard_placement_fn=_shard_dim)
-    out["placement"] = [(type(p).__name__, p.dim) for p in net.blocks[0].up.weight.placements]
-    losses = _train(net, STEPS, dist.get_rank(), world, clip=clip_grad_norm_)
-    _compare(f"shard_last_dim_{world}", losses, ref_losses, full_state(net), ref_state, out)
-    out["unsharded_after_step"] = sum(st.group.unsharded_bytes_allocated for st in _states(net))
+def _shard_last_dim(out: dict, mesh: DeviceMesh, group, ref: tuple[list[float], dict]) -> None:
+    """Shard(-1) on ``mesh`` (2 or 3 ranks; uneven on 3), plain and with the extension."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    net = shard_net(make_net(), mesh=mesh, shard_placement_fn=_shard_dim)
+    up = net.blocks[0].up.weight  # [7, 10]: dim 1 splits 5 + 5 on 2 ranks, 4 + 4 + 2 on 3
+    out[f"placement_{world}"] = [(type(p).__name__, p.dim) for p in up.placements]
+    out[f"local_shape_{world}"] = tuple(up.to_local().shape)
+    losses = _train(net, STEPS, rank, world, clip=clip_grad_norm_, group=group)
+    _compare(f"shard_last_dim_{world}", losses, ref[0], full_state(net), ref[1], out)
+    out[f"unsharded_after_step_{world}"] = sum(
+        st.group.unsharded_bytes_allocated for st in _states(net)
+    )
     # The all-gather extension on Shard(-1) weights (uneven on 3 ranks): gathered as int32.
     ext = make_net()
     for b in ext.blocks:
         b.up.weight = nn.Parameter(BitsGather(b.up.weight.detach().clone()))
-    ext = shard_net(ext, shard_placement_fn=_shard_dim)
+    ext = shard_net(ext, mesh=mesh, shard_placement_fn=_shard_dim)
     with count_collectives() as stats:
-        losses = _train(ext, STEPS, dist.get_rank(), world, clip=clip_grad_norm_)
-    out["ext_gather_dtypes"] = sorted(
+        losses = _train(ext, STEPS, rank, world, clip=clip_grad_norm_, group=group)
+    out[f"ext_gather_dtypes_{world}"] = sorted(
         {str(r.dtype) for r in stats.records if r.kind == "all_gather"}
     )
-    _compare(f"extension_last_dim_{world}", losses, ref_losses, full_state(ext), ref_state, out)
-    if path is None:
-        return out
-    # Load the TP x FSDP (2, 2) checkpoint on plain FSDP over 2 ranks.
-    loaded = shard_net_tp_free()
-    ckpt.load(path, model=loaded)
-    out["ckpt_2"] = full_state(loaded)
-    # float64 after fully_shard trains against a float64 reference.
-    ref64_losses, ref64_state = _reference(lambda: make_net(), STEPS, dtype=torch.float64)
-    net64 = shard_net(make_net())
-    net64.to(torch.float64)
-    out["dtype64"] = str(net64.blocks[0].up.weight.dtype)
-    losses = _train(net64, STEPS, dist.get_rank(), world, clip=clip_grad_norm_, dtype=torch.float64)
-    _compare("float64", losses, ref64_losses, full_state(net64), ref64_state, out)
-    return out
+    _compare(f"extension_last_dim_{world}", losses, ref[0], full_state(ext), ref[1], out)
 
 
-def shard_net_tp_free() -> TPNet:
+def shard_net_tp_free(mesh: DeviceMesh) -> BlockNet:
     model = _tp_net()
     for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -201,7 +199,7 @@ def _check(out: dict, name: str) -> None:
 def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/ckpt"
-        four = run_distributed(_four_ranks, 4, path)
+        four = run_distributed(_four_ranks, 4, path, start_method="forkserver")
         assert four[0]["placements"] == [("_StridedShard", 0), ("Shard", 0)]
         for r in four:
             for name in ("tp_fsdp", "from_group", "tp_offload", "tp_packed", "tp_meta_init"):
@@ -224,32 +222,46 @@ def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
                     ("ep_replicate", "ep_shard"),
                     ["Replicate", "Shard"],
                 )
-            assert r["per_param_mesh_groups"] == [
+            hsdp_beside_flat = [
                 ("all_gather", 2),
                 ("all_gather", 4),
                 ("all_reduce", 2),
                 ("reduce_scatter", 2),
                 ("reduce_scatter", 4),
             ]
-        two = run_distributed(_two_or_three_ranks, 2, path)
-        for r in two:
-            assert r["placement"] == [("Shard", 1)]
-            assert r["unsharded_after_step"] == 0
-            _check(r, "shard_last_dim_2")
-            _check(r, "extension_last_dim_2")
-            assert r["ext_gather_dtypes"] == ["torch.float32", "torch.int32"]
+            assert r["per_param_mesh_groups"] == hsdp_beside_flat
+            # dp_mesh_dims' HSDP (replicate=) and flattened forms on a full (r, s) mesh, each
+            # beside experts given the other form by shard_placement_fn: as torch FSDP2 does.
+            hsdp = ("r", "s"), [("Replicate", None), ("Shard", 0)]
+            flat = ("r_s",), [("Shard", 0)]
+            for form, dense, experts in (("hsdp", hsdp, flat), ("flat", flat, hsdp)):
+                ours, fsdp2 = f"spmd_{form}", f"spmd_{form}_fsdp2"
+                _check(r, ours)
+                _check(r, fsdp2)
+                assert r[f"{ours}_placements"] == (dense, experts), r[f"{ours}_placements"]
+                assert r[f"{fsdp2}_placements"] == (dense, experts), r[f"{fsdp2}_placements"]
+                assert r[f"{ours}_groups"] == hsdp_beside_flat
+                assert r[f"{ours}_losses"] == r[f"{fsdp2}_losses"], form
+        # Shard(-1) on 2 ranks ({0, 1}) and uneven on 3 ({0, 1, 2}), with the extension.
+        assert [r["local_shape_2"] for r in four[:2]] == [(7, 5), (7, 5)]
+        assert [r["local_shape_3"] for r in four[:3]] == [(7, 4), (7, 4), (7, 2)]
+        for world, ranks in ((2, four[:2]), (3, four[:3])):
+            for r in ranks:
+                assert r[f"placement_{world}"] == [("Shard", 1)]
+                assert r[f"unsharded_after_step_{world}"] == 0
+                _check(r, f"shard_last_dim_{world}")
+                _check(r, f"extension_last_dim_{world}")
+                assert r[f"ext_gather_dtypes_{world}"] == ["torch.float32", "torch.int32"]
+        for r in four[2:]:  # float64 after fully_shard, on {2, 3}
             assert r["dtype64"] == "torch.float64"
             _check(r, "float64")
-        # The checkpoint saved on (dp=2, tp=2) loads on 2 plain FSDP ranks and on 1 process.
+        # The checkpoint saved on (dp=2, tp=2) loads on 2 plain FSDP ranks ({2, 3}) and on 1
+        # process with the full weights it was saved with, bit for bit.
         single = _tp_net()
         ckpt.load(path, model=single)
-        full = {k: v.detach() for k, v in single.state_dict().items()}
-        for k, v in full.items():
-            assert torch.equal(two[0]["ckpt_2"][k], v), k
-        _, ref_state = _reference(_tp_net, STEPS)
-        for k, v in ref_state.items():
-            assert (full[k] - v).abs().max().item() < WEIGHT_TOL, k
-    three = run_distributed(_two_or_three_ranks, 3, None)
-    for r in three:
-        _check(r, "shard_last_dim_3")
-        _check(r, "extension_last_dim_3")
+        saved = four[0]["saved"]
+        assert set(single.state_dict()) == set(saved) == set(four[2]["ckpt_2"])
+        for k, v in single.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+            for r in four[2:]:
+                assert torch.equal(r["ckpt_2"][k], saved[k]), k

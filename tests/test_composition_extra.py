@@ -17,10 +17,11 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
+from composition_cases import BlockNet, block_net
 from fullshard import count_collectives, fully_shard
 from fullshard.api import _all_states
 from fullshard.testing import run_distributed
-from parity import DIM, GLOBAL_BATCH, VOCAB, batch, full_state, loss_fn
+from parity import DIM, GLOBAL_BATCH, batch, full_state, loss_fn
 
 STEPS = 3
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
@@ -37,20 +38,6 @@ class MixedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(x))) + F.linear(x, self.frozen.float())
-
-
-class MixedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([MixedBlock() for _ in range(2)])
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 # --------------------------------------------------------------- all-gather extension subclasses
@@ -151,7 +138,7 @@ class RoundedLinear(nn.Linear):
         return F.linear(x, self.weight.to(torch.bfloat16).float(), self.bias)
 
 
-def _ext_net(kind: type[_GatherExt] | None) -> MixedNet:
+def _ext_net(kind: type[_GatherExt] | None) -> BlockNet:
     net = _net()
     for b in net.blocks:
         for name in ("up", "down"):
@@ -165,9 +152,8 @@ def _ext_net(kind: type[_GatherExt] | None) -> MixedNet:
     return net
 
 
-def _net() -> MixedNet:
-    torch.manual_seed(0)
-    return MixedNet()
+def _net() -> BlockNet:
+    return block_net(MixedBlock)
 
 
 def _train(model: nn.Module, rank: int, world: int) -> list[float]:
@@ -196,7 +182,7 @@ def _errors(model: nn.Module, losses: list[float], ref: tuple[list[float], dict]
     return loss_err, w_err
 
 
-def _shard(model: MixedNet) -> MixedNet:
+def _shard(model: BlockNet) -> BlockNet:
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
@@ -280,7 +266,7 @@ def _check(out: dict, name: str) -> None:
 
 
 def test_mixed_dtypes_and_compile() -> None:
-    results = run_distributed(_cases, 2)
+    results = run_distributed(_cases, 2, start_method="forkserver")
     for r in results:
         assert r["frozen_dtype"] == "torch.bfloat16"
         assert r["mixed_gather_dtypes"] == ["torch.bfloat16", "torch.float32"]
@@ -326,7 +312,7 @@ def _hsdp_tp() -> dict:
 
 
 def test_hsdp_tp_8_ranks() -> None:
-    for r in run_distributed(_hsdp_tp, 8):
+    for r in run_distributed(_hsdp_tp, 8, start_method="forkserver"):
         assert r["mesh"] == ("replicate", "shard", "tp")
         assert r["placements"] == ["Replicate", "_StridedShard", "Shard"]
         _check(r, "hsdp_tp")
@@ -374,7 +360,7 @@ def _inductor_all() -> dict:
 )
 def test_compile_inductor_blocks_and_model() -> None:
     """The long form of case 2c of test_mixed_dtypes_and_compile (CI runs one block)."""
-    for r in run_distributed(_inductor_all, 2):
+    for r in run_distributed(_inductor_all, 2, start_method="forkserver"):
         assert r["inductor_graphs"] > 0 and r["model_graphs"] > 0, r
         _check(r, "inductor_blocks")
         _check(r, "inductor_model")

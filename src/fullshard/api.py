@@ -112,7 +112,9 @@ def fully_shard(
       the end; uneven sizes allowed, unlike FSDP2), ``None`` (``Shard(0)``) or FSDP2's
       ``ShardPlacementResult(placement, mesh_info)``: that parameter shards over
       ``mesh_info.mesh`` (1-D, or 2-D (replicate, shard)) instead, e.g. MoE experts on an
-      expert-parallel mesh; the unit then communicates one group per mesh.
+      expert-parallel mesh; the unit then communicates one group per mesh. A ``mesh_info``
+      with ``dp_mesh_dims`` and ``spmd_mesh`` (FSDP2's) puts that parameter in the
+      full-SPMD-mesh form below, with or without the unit's own ``dp_mesh_dims``.
     - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
     - ``dp_mesh_dims``: FSDP2's full-SPMD-mesh form: ``mesh`` is the whole mesh (e.g.

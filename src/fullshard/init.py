@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .context import StepContext
 from .hooks import FSDPState, states_under
-from .mesh import MeshInfo, mesh_info
+from .mesh import MeshInfo, mesh_info, mesh_info_from_dims
 from .param import ShardedParam
 
 __all__ = ["check_reshard_after_forward", "claim_params", "lazy_init", "resolve_reshard"]
@@ -65,7 +65,7 @@ def claim_params(
     by_sharded = {id(sp.sharded_param): sp for sp in below}
     claimed: dict[int, ShardedParam] = {}
     new: list[ShardedParam] = []
-    meshes: dict[DeviceMesh, MeshInfo] = {info.mesh: info}  # per-parameter meshes, one each
+    meshes: dict[object, MeshInfo] = {_mesh_key(info): info}  # per-parameter meshes, one each
     for m in modules:
         for prefix, sub in m.named_modules():
             for name, p in list(sub._parameters.items()):
@@ -80,8 +80,8 @@ def claim_params(
                     continue
                 result = placement_fn(p) if placement_fn is not None else None
                 placement, p_info = _resolve_placement(result, fqn, info, meshes)
-                if info.spmd is not None:
-                    _check_spmd_param(p, fqn, info)
+                if p_info.spmd is not None:
+                    _check_spmd_param(p, fqn, p_info)
                 elif isinstance(p, DTensor):
                     _check_foreign_dtensor(p, fqn, m, p_info)
                 sp = ShardedParam(
@@ -93,19 +93,37 @@ def claim_params(
     return new
 
 
+def _mesh_key(info: MeshInfo) -> object:
+    """What identifies a unit's or a parameter's mesh: the mesh, or with ``dp_mesh_dims`` the
+    full mesh and the dims named."""
+    spmd = info.spmd
+    if spmd is None:
+        return info.mesh
+    names = spmd.mesh.mesh_dim_names or ()
+    return (
+        spmd.mesh,
+        tuple(names[i] for i in spmd.shard_dims),
+        tuple(names[i] for i in spmd.replicate_dims),
+    )
+
+
 def _resolve_placement(
-    result: object, fqn: str, info: MeshInfo, meshes: dict[DeviceMesh, MeshInfo]
+    result: object, fqn: str, info: MeshInfo, meshes: dict[object, MeshInfo]
 ) -> tuple[Shard | None, MeshInfo]:
     """A ``shard_placement_fn`` result as (placement, the mesh the parameter shards over).
 
-    ``None`` / ``Shard(d)`` shard over the unit's mesh; FSDP2's ``ShardPlacementResult``
-    (``placement`` and ``mesh_info``, whose ``mesh`` is a 1-D shard or 2-D (replicate, shard)
-    mesh) shards this parameter over its own mesh: the unit then gathers and reduces it in a
-    separate communication group ([Note: one group per mesh] in ``fullshard.group``).
+    ``None`` / ``Shard(d)`` shard over the unit's mesh (or its ``dp_mesh_dims``); FSDP2's
+    ``ShardPlacementResult`` (``placement`` and ``mesh_info``, whose ``mesh`` is a 1-D shard
+    or 2-D (replicate, shard) mesh) shards this parameter over its own mesh: the unit then
+    gathers and reduces it in a separate communication group ([Note: one group per mesh] in
+    ``fullshard.group``). As in FSDP2, a ``mesh_info`` with ``dp_mesh_dims`` (and
+    ``spmd_mesh``, the full mesh) puts that parameter in the full-SPMD-mesh form whatever the
+    unit uses, and one without puts it in the sub-mesh form.
     """
     if result is None or isinstance(result, Shard):
         return result, info
-    mesh = getattr(getattr(result, "mesh_info", None), "mesh", None)
+    result_info = getattr(result, "mesh_info", None)
+    mesh = getattr(result_info, "mesh", None)
     placement = getattr(result, "placement", None)
     if not isinstance(mesh, DeviceMesh) or not (placement is None or isinstance(placement, Shard)):
         raise ValueError(
@@ -113,19 +131,26 @@ def _resolve_placement(
             f"(Shard(0)) or a ShardPlacementResult(placement=Shard(d) or None, "
             f"mesh_info=FSDPMeshInfo(mesh, shard_mesh_dim=0))"
         )
-    if info.spmd is not None and mesh != info.mesh:
-        raise NotImplementedError(
-            f"shard_placement_fn gave {fqn!r} its own mesh, but this fully_shard call uses "
-            f"dp_mesh_dims; per-parameter meshes work with a data-parallel mesh= only"
+    dims = getattr(result_info, "dp_mesh_dims", None)
+    spmd_mesh = getattr(result_info, "spmd_mesh", None)
+    if dims is not None and not isinstance(spmd_mesh, DeviceMesh):
+        raise ValueError(
+            f"shard_placement_fn gave {fqn!r} a mesh_info with dp_mesh_dims={dims} but no "
+            f"spmd_mesh (the full mesh the parameter is a DTensor on): build it as "
+            f"HSDPMeshInfo/FSDPMeshInfo(..., dp_mesh_dims=dims, spmd_mesh=full_mesh)"
         )
-    if mesh not in meshes:
-        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+    key = mesh if dims is None else (spmd_mesh, dims.shard_names, dims.replicate_names)
+    if key not in meshes:
+        if isinstance(spmd_mesh, DeviceMesh) and dims is not None:  # FSDP2's SPMD form
+            meshes[key] = mesh_info_from_dims(spmd_mesh, dims)
+        elif mesh.ndim == 2 and mesh.mesh_dim_names is None:
             raise ValueError(
                 f"the 2-D mesh shard_placement_fn gave {fqn!r} must name its dims "
                 f"(replicate, shard)"
             )
-        meshes[mesh] = mesh_info(mesh)
-    return placement, meshes[mesh]
+        else:
+            meshes[key] = mesh_info(mesh)
+    return placement, meshes[key]
 
 
 def _check_spmd_param(p: nn.Parameter, fqn: str, info: MeshInfo) -> None:
