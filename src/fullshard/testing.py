@@ -84,7 +84,7 @@ def run_distributed(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     pg_timeout: float | None = None,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
 
@@ -94,12 +94,12 @@ def run_distributed(
     ranks do not oversubscribe the cores). ``pg_timeout`` sets the process group's collective
     timeout in seconds (torch's default when ``None``).
 
-    ``start_method="spawn"`` starts fresh interpreters, each importing torch (seconds of CPU
-    per rank). ``"forkserver"`` forks every rank from one server process that imported torch,
-    ``torch.distributed`` and fullshard once (the first time, per parent process): a spawn
-    then costs little beyond ``fn``. The ranks share the server's imported modules as they
+    ``start_method="forkserver"`` (the default) forks every rank from one server process
+    that imported torch, ``torch.distributed`` and fullshard once (the first time, per parent
+    process): a spawn then costs little beyond ``fn``. The ranks share the server's imported modules as they
     were when it started, so settings read at import time (e.g. ``TORCHINDUCTOR_*``
-    variables in ``env``) take the parent's values then, not ``env``'s.
+    variables in ``env``) take the parent's values then, not ``env``'s. ``"spawn"`` starts
+    fresh interpreters, each importing torch (seconds of CPU per rank), for such settings.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
