@@ -470,8 +470,9 @@ class ParamGroup:
             return False
         return self._grads_seen == self._grads_expected
 
-    def reduce_grads(self) -> list[PendingReduce]:
-        """Post-backward: take the gradients, reshard, then reduce-scatter them.
+    def reduce_grads(self, recycle: bool = False) -> list[PendingReduce]:
+        """Post-backward: take the gradients, reshard (``recycle``: see :meth:`reshard`),
+        then reduce-scatter them.
 
         Returns the reductions in flight, one per group with gradients (this one and any
         child on another mesh); none while gradient sync is off, in which case gradients
@@ -483,7 +484,7 @@ class ParamGroup:
                 setattr(child, knob, getattr(self, knob))
         ready = [(g, collect_grads(g)) for g in groups]
         if self.reshard_after_backward:
-            self.reshard(recycle=True)
+            self.reshard(recycle)
         pending = []
         for g, grads in ready:
             if not grads:

@@ -158,7 +158,7 @@ class FSDPState:
                 if self.is_root:  # nor a gather soon ([Note: recycling unsharded buffers])
                     ctx.pool.clear()
             elif self.reshard_policy is True and not local:
-                self.group.reshard(recycle=True)
+                self.group.reshard(recycle=self._recycles_in_forward(ctx))
             elif self.reshard_policy is not False and not local:
                 self.group.reshard_partial()
             if self.training_state is TrainingState.FORWARD:
@@ -205,10 +205,28 @@ class FSDPState:
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
         ctx.make_room()
-        ctx.add_pending(self.group.reduce_grads())
+        ctx.add_pending(self.group.reduce_grads(recycle=self._recycles_in_backward(ctx)))
         self.training_state = TrainingState.POST_BACKWARD
 
     # --------------------------------------------------------------------------- helpers
+    # [Note: recycling unsharded buffers] (fullshard.pool): a freed buffer is kept only where
+    # a gather will come to take it, so the pool never holds memory nobody reuses.
+    def _recycles_in_forward(self, ctx: StepContext) -> bool:
+        """Keep this unit's memory after its forward: a unit after the next one will gather
+        (its prefetch), or this unit ran last, whose gather backward issues first."""
+        nxt = ctx.next_in_forward(self)
+        return not nxt or any(ctx.next_in_forward(n) for n in nxt)
+
+    def _recycles_in_backward(self, ctx: StepContext) -> bool:
+        """Keep this unit's memory after its backward: the unit the next one prefetches has
+        not been gathered for this backward yet."""
+        return any(
+            after.training_state is not TrainingState.POST_BACKWARD
+            and after.group.state is ShardedState.SHARDED
+            for nxt in ctx.next_in_backward(self)
+            for after in ctx.next_in_backward(nxt)
+        )
+
     def reshard_if_idle(self) -> None:
         """Make sure modules show sharded parameters (e.g. before ``state_dict``)."""
         if self.training_state is TrainingState.IDLE and self.group.state in (

@@ -15,12 +15,15 @@ size, as the GPU allocator would: ``put`` moves the memory out of the unit's sto
 left at 0 bytes, exactly as a resize would leave it) into a carrier storage; ``take`` moves a
 carrier's memory into the storage being gathered. Both swap the storages' data pointers, so
 the views autograd saved of the unsharded parameters follow, as they follow a resize. The pool
-holds at most ``capacity`` (2) buffers, the most recently freed: in forward, unit ``i``'s
-memory is taken by unit ``i + 2``'s prefetch; the last block's and the root's survive the loss
-and are taken again by their backward gathers; in backward, unit ``i``'s is taken by unit
-``i - 2``'s. It never holds more than the gathered units it replaces held a moment before, and
-the root's context empties it when a forward begins, when a backward ends (the optimizer step
-runs with no pooled memory) and when a forward runs without gradients. Pooled bytes are not
+holds at most ``capacity`` (2) buffers, the most recently freed, and only buffers a gather
+will come for (``FSDPState._recycles_in_forward`` / ``_recycles_in_backward``): in forward,
+unit ``i``'s memory is taken by unit ``i + 2``'s prefetch, and the last unit's and the root's
+survive the loss to be taken by the first gathers of backward; in backward, unit ``i``'s is
+taken by unit ``i - 2``'s prefetch, and the last two units of backward free theirs (a pooled
+buffer there would sit beside the gradients of every unit, measured +8 MiB peak RSS on
+``memory`` at N = 2). The root's context also empties it when a forward begins, when a
+backward ends (the optimizer step runs with no pooled memory) and when a forward runs without
+gradients. Pooled bytes are not
 tensor bytes (``unsharded_bytes_allocated`` and the memory tracker do not see them): like a
 caching allocator's reserve they show in RSS only.
 """
