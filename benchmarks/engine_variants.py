@@ -1,7 +1,7 @@
 """A/B fullshard's transports against each other and torch FSDP2, alternating in one run.
 
     python benchmarks/engine_variants.py --config comm --steps 12 --repeats 2 \
-        fullshard fs-packed fs-p2p fsdp2
+        fullshard fs-packed fs-p2p fsdp2 ddp
 
 Variants (each is a public setting, nothing is patched):
 
@@ -9,11 +9,12 @@ Variants (each is a public setting, nothing is patched):
 - ``fs-packed``: ``transport="packed"`` — one packed buffer per collective, the NCCL path;
 - ``fs-p2p``: ``transport="p2p"`` — every gather and reduction in pieces (on more than 2
   ranks the reduce-scatter needs scratch; see fullshard.transport);
-- ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``).
+- ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``);
+- ``ddp``: torch DDP (the step time ZeRO-3 is held to on ``speed`` and ``comm``).
 
-Prints each variant's median step time (slower rank), its ratio to FSDP2 and its peak RSS per
-rank (max over ranks and repeats), plus the largest relative loss difference against the first
-variant (expect ~0: same math, summed in another order at most).
+Prints each variant's median step time (slower rank), its ratios to FSDP2 and DDP (those run)
+and its peak RSS per rank (max over ranks and repeats), plus the largest relative loss
+difference against the first variant (expect ~0: same math, summed in another order at most).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ VARIANTS = {
     "fs-packed": ("fullshard", "packed"),
     "fs-p2p": ("fullshard", "p2p"),
     "fsdp2": ("fsdp2", "auto"),
+    "ddp": ("ddp", "auto"),
 }
 
 
@@ -73,12 +75,12 @@ def main() -> int:
                 statistics.fmean(rk["losses"][i] for rk in ranks) for i in range(cfg.steps)
             ]
             print(f"repeat {r} {v:<20} load {os.getloadavg()[0]:.1f}", file=sys.stderr)
-    base = statistics.median(times["fsdp2"]) if "fsdp2" in times else None
+    bases = {b: statistics.median(times[b]) for b in ("fsdp2", "ddp") if b in times}
     first = args.variants[0]
     for v in args.variants:
         m = statistics.median(times[v])
         err = max(abs(a - b) / abs(b) for a, b in zip(losses[v], losses[first]))
-        ratio = f"{m / base:.2f}x fsdp2" if base else ""
+        ratio = "  ".join(f"{m / t:.2f}x {b}" for b, t in bases.items())
         peak = rss[v] / 2**20
         print(
             f"{v:<20} {m:.3f} s/step  {ratio}  peak RSS {peak:.0f} MiB  "

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fullshard import CommPolicy, CPUOffloadPolicy, count_collectives
 from fullshard.events import EngineEvent, record_events
+from fullshard.hooks import STATE_ATTR
 from fullshard.testing import run_distributed
 from parity import (
     GLOBAL_BATCH,
@@ -63,6 +64,15 @@ def _order(transport: str, explicit: bool) -> dict[str, object]:
     # blocks.1 holds a never-used Linear: its gradients never all arrive, so the end-of-
     # backward callback reduces it
     out["blocks.1 reduce in callback"] = _index(log, "reduce_issue", "blocks.1") > end
+    # [Note: recycling unsharded buffers]: the last block's backward gather reuses the memory
+    # its forward freed; blocks.1's was not kept through the loss (no gather would take it
+    # before backward's), and nothing stays pooled after the step
+    start = _index(log, "backward_start", "Net (root)")
+    allocs = {(e.unit, e.detail) for e in log[start:] if e.kind == "unshard_alloc"}
+    out["blocks.2 backward gather recycled"] = ("blocks.2", "recycled") in allocs
+    if not explicit:  # the previous forward's order says what comes after blocks.1
+        out["blocks.1 backward gather fresh"] = ("blocks.1", "fresh") in allocs
+    out["nothing pooled after the step"] = model.__dict__[STATE_ATTR].ctx.pool.nbytes == 0
     return out
 
 

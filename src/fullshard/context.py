@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .events import emit
+from .pool import HostBufferPool
 from .reduce import PendingReduce
 from .state import TrainingState
 from .streams import CommStreams
@@ -41,6 +42,8 @@ class StepContext:
         self.root = root
         self.states = states  # every unit, root first, in module order
         self.streams = CommStreams(device)
+        # Freed unsharded buffers for the next gather; emptied between steps (fullshard.pool).
+        self.pool = HostBufferPool(device)
         self.forward_order: list[FSDPState] = []
         self.prev_forward_order: list[FSDPState] = []
         self.post_forward_order: list[FSDPState] = []
@@ -63,6 +66,7 @@ class StepContext:
             self.prev_forward_order = self.forward_order
             self._prev_forward_index = {st: i for i, st in enumerate(self.forward_order)}
         self._clear_orders()
+        self.pool.clear()  # kept since a forward that had no backward
 
     def _clear_orders(self) -> None:
         self.forward_order = []
@@ -154,6 +158,7 @@ class StepContext:
         for st in self.states:
             st.group.finish_backward()
             st.training_state = TrainingState.IDLE
+        self.pool.clear()  # the optimizer step runs with no pooled memory
         self.callback_queued = False
 
     def reset_iter_state(self) -> None:
@@ -173,6 +178,7 @@ class StepContext:
             st._post_forward_calls = 0
         self.streams.wait_host_copies()
         self._clear_orders()
+        self.pool.clear()
         self.callback_queued = False
 
     # ------------------------------------------------------------------------- subgroups

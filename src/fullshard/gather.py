@@ -52,9 +52,12 @@ class PendingGather:
     send: torch.Tensor | None  # what the collective reads (kept alive until waited on)
 
 
-def _allocate(buf: torch.Tensor) -> None:
-    """Give the (resized-to-0) unsharded buffer its storage back."""
-    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+def _allocate(g: ParamGroup, buf: torch.Tensor) -> None:
+    """Give the (resized-to-0) unsharded buffer its storage back: recycled memory when the
+    pool has some ([Note: recycling unsharded buffers] in ``fullshard.pool``)."""
+    how = g.pool.take(buf.untyped_storage(), buf.numel() * buf.element_size())
+    if how:
+        emit("unshard_alloc", g.name, how)
 
 
 def _offload_event(g: ParamGroup) -> None:
@@ -116,7 +119,7 @@ def _gather_in_pieces(g: ParamGroup) -> PendingGather:
     assert buf is not None
     me = g.info.shard_rank
     with torch.autograd._unsafe_preserve_version_counter(buf):
-        _allocate(buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
+        _allocate(g, buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
         regions = g.regions()
         with g.streams.use("gather"):
             for sp, region in zip(g.layout, regions):
@@ -155,7 +158,7 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
     # Refilling the buffer is not a mutation autograd must see: saved views hold the same
     # values they had when saved (see [Note: why storage is resized, not freed]).
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-        _allocate(buf)
+        _allocate(g, buf)
         sizes = [sp.shard_numel for sp in g.layout]
         torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())
     _copy_out(g)

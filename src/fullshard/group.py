@@ -24,6 +24,7 @@ from .mesh import MeshInfo
 from .overrides import CommOverrides
 from .param import ShardedParam
 from .policies import CommPolicy, MixedPrecisionPolicy
+from .pool import HostBufferPool
 from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
 from .state import ShardedState, transition
 from .streams import CommStreams
@@ -85,6 +86,9 @@ class ParamGroup:
         # root's units.
         self.transport = Transport(self.comm_policy.transport, False, False)
         self.streams = CommStreams(torch.device("cpu"))
+        # Freed unsharded buffers kept for the next gather: the root context's (shared by its
+        # units, set at lazy init); until then one that keeps nothing.
+        self.pool = HostBufferPool(device, capacity=0)
         # Knobs (set_* methods of FSDPModule).
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -161,6 +165,7 @@ class ParamGroup:
         ]
         for child in self.subgroups:
             child.streams = self.streams
+            child.pool = self.pool
             child.overrides = self.overrides
             child.init_layout(on_grad_accumulated)
         self.offsets = []
@@ -331,12 +336,18 @@ class ParamGroup:
             return copies
         return self.unsharded_buf.untyped_storage().nbytes() + copies
 
-    def _release(self) -> None:
-        """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes."""
+    def _release(self, recycle: bool = False) -> None:
+        """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes; with
+        ``recycle``, its memory goes to the pool for the next gather ([Note: recycling
+        unsharded buffers] in ``fullshard.pool``)."""
         if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
             return
         if self.unsharded_buf is not None:
-            self.unsharded_buf.untyped_storage().resize_(0)
+            storage = self.unsharded_buf.untyped_storage()
+            if recycle:
+                self.pool.put(storage)
+            else:
+                storage.resize_(0)
         for sp in self.layout:
             sp.free_unsharded()
         if self.extended is not None:
@@ -400,8 +411,11 @@ class ParamGroup:
         self._to(ShardedState.UNSHARDED)
 
     # ---------------------------------------------------------------------------- reshard
-    def reshard(self) -> None:
-        """Free the unsharded parameters (and any kept copy); register the sharded ones."""
+    def reshard(self, recycle: bool = False) -> None:
+        """Free the unsharded parameters (and any kept copy); register the sharded ones.
+
+        ``recycle``: the engine's own reshards in forward and backward keep the memory for the
+        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.pool``)."""
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             if self._gather is not None:
                 self._gather.handle.wait()
@@ -410,17 +424,17 @@ class ParamGroup:
                 self.extended.wait_dropped()
         self.post_forward_chunk = None
         for child in self.subgroups:
-            child.reshard()
+            child.reshard(recycle)
         if self.state is not ShardedState.SHARDED:
-            self._free_unsharded(ShardedState.SHARDED)
+            self._free_unsharded(ShardedState.SHARDED, recycle)
         else:
             self._release()
 
-    def _free_unsharded(self, new: ShardedState) -> None:
+    def _free_unsharded(self, new: ShardedState, recycle: bool = False) -> None:
         if self.state is ShardedState.UNSHARDED:
             for sp in self.own_params:
                 sp.to_sharded()
-        self._release()  # also a gather in pieces never waited on
+        self._release(recycle)  # also a gather in pieces never waited on
         self._to(new)
 
     def reshard_partial(self) -> None:
@@ -456,8 +470,9 @@ class ParamGroup:
             return False
         return self._grads_seen == self._grads_expected
 
-    def reduce_grads(self) -> list[PendingReduce]:
-        """Post-backward: take the gradients, reshard, then reduce-scatter them.
+    def reduce_grads(self, recycle: bool = False) -> list[PendingReduce]:
+        """Post-backward: take the gradients, reshard (``recycle``: see :meth:`reshard`),
+        then reduce-scatter them.
 
         Returns the reductions in flight, one per group with gradients (this one and any
         child on another mesh); none while gradient sync is off, in which case gradients
@@ -469,7 +484,7 @@ class ParamGroup:
                 setattr(child, knob, getattr(self, knob))
         ready = [(g, collect_grads(g)) for g in groups]
         if self.reshard_after_backward:
-            self.reshard()
+            self.reshard(recycle)
         pending = []
         for g, grads in ready:
             if not grads:

@@ -125,10 +125,13 @@ class FSDPState:
             ctx.begin_forward()
         self.training_state = TrainingState.FORWARD
         ctx.record_forward(self)
-        self.group.wait_for_unshard()
+        # Issue this unit's gather (unless prefetched) and the next one's before waiting, so
+        # the next gather's bytes move while this one's are waited on and computed with.
+        self.group.unshard()
         targets = self.forward_prefetch
         for nxt in ctx.next_in_forward(self) if targets is None else targets:
             nxt.group.unshard()
+        self.group.wait_for_unshard()
         emit("forward_start", self.name)
         return args, kwargs
 
@@ -152,8 +155,10 @@ class FSDPState:
             ctx.record_post_forward(self)
             if not torch.is_grad_enabled():
                 self.group.reshard()  # no backward will come for this forward
+                if self.is_root:  # nor a gather soon ([Note: recycling unsharded buffers])
+                    ctx.pool.clear()
             elif self.reshard_policy is True and not local:
-                self.group.reshard()
+                self.group.reshard(recycle=self._recycles_in_forward(ctx))
             elif self.reshard_policy is not False and not local:
                 self.group.reshard_partial()
             if self.training_state is TrainingState.FORWARD:
@@ -178,12 +183,14 @@ class FSDPState:
         self.training_state = TrainingState.PRE_BACKWARD
         emit("backward_start", self.name)
         if self.group.unshard_in_backward:
-            self.group.wait_for_unshard()
+            self.group.unshard()  # issued before the prefetch, waited on after (as forward)
         targets = self.backward_prefetch
         for prev in ctx.next_in_backward(self) if targets is None else targets:
             if prev.training_state is not TrainingState.POST_BACKWARD:
                 if prev.group.unshard_in_backward:
                     prev.group.unshard()
+        if self.group.unshard_in_backward:
+            self.group.wait_for_unshard()
 
     def on_grad_accumulated(self, sp: ShardedParam) -> None:
         """Post-accumulate-grad hook of each parameter: the last one triggers post-backward."""
@@ -198,10 +205,28 @@ class FSDPState:
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
         ctx.make_room()
-        ctx.add_pending(self.group.reduce_grads())
+        ctx.add_pending(self.group.reduce_grads(recycle=self._recycles_in_backward(ctx)))
         self.training_state = TrainingState.POST_BACKWARD
 
     # --------------------------------------------------------------------------- helpers
+    # [Note: recycling unsharded buffers] (fullshard.pool): a freed buffer is kept only where
+    # a gather will come to take it, so the pool never holds memory nobody reuses.
+    def _recycles_in_forward(self, ctx: StepContext) -> bool:
+        """Keep this unit's memory after its forward: a unit after the next one will gather
+        (its prefetch), or this unit ran last, whose gather backward issues first."""
+        nxt = ctx.next_in_forward(self)
+        return not nxt or any(ctx.next_in_forward(n) for n in nxt)
+
+    def _recycles_in_backward(self, ctx: StepContext) -> bool:
+        """Keep this unit's memory after its backward: the unit the next one prefetches has
+        not been gathered for this backward yet."""
+        return any(
+            after.training_state is not TrainingState.POST_BACKWARD
+            and after.group.state is ShardedState.SHARDED
+            for nxt in ctx.next_in_backward(self)
+            for after in ctx.next_in_backward(nxt)
+        )
+
     def reshard_if_idle(self) -> None:
         """Make sure modules show sharded parameters (e.g. before ``state_dict``)."""
         if self.training_state is TrainingState.IDLE and self.group.state in (

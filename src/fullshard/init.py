@@ -229,6 +229,7 @@ def lazy_init(root: FSDPState) -> StepContext:
     for st in states:
         st.ctx = ctx
         st.group.streams = ctx.streams
+        st.group.pool = ctx.pool
         st.group.init_layout(st.on_grad_accumulated)
         resolve_reshard(st)
     return ctx

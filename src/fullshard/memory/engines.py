@@ -62,7 +62,9 @@ class EngineModel:
 
 # fullshard's engine: one unit is prefetched each way and the previous reduce-scatter finishes
 # before the next one is issued; how units gather and reduce is the engine's own transport
-# choice for the backend (on gloo: in pieces, see fullshard.transport).
+# choice for the backend (on gloo: in pieces, see fullshard.transport). On the CPU freed
+# unsharded buffers wait in a pool for the next gather (fullshard.pool): like a caching
+# allocator's reserve that memory is not tensor bytes, which is what the plan predicts.
 ENGINES: dict[str, EngineModel] = {
     "fullshard": EngineModel(
         name="fullshard",

@@ -6,7 +6,8 @@ Three meters, each answering a different question:
   ``TorchDispatchMode`` that sees every tensor an op returns (including the local shards inside
   ``DTensor`` outputs) and a weak reference per storage, so a storage leaves the count when it is
   freed. ``UntypedStorage.resize_`` (how FSDP-style engines free gathered buffers while keeping
-  autograd's views valid) is not an op the mode sees, so it is patched while the meter is active.
+  autograd's views valid) is not an op the mode sees, so it is patched while the meter is active
+  (and so is ``UntypedStorage._swap_data_ptr_``, how fullshard's CPU buffer pool does the same).
   This is what :mod:`fullshard.memory.planner` predicts: the same quantity as
   ``torch.cuda.max_memory_allocated`` on a GPU, with no allocator caching or fragmentation and no
   interpreter/runtime overhead. It works on fake tensors too, which is how the planner measures
@@ -137,6 +138,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak_label = ""
         self.on_op: Callable[[LiveTensorBytes], None] | None = None  # called after every op
         self._orig_resize: Any = None
+        self._orig_swap: Any = None
 
     # ---- accounting -------------------------------------------------------------------------
     def _add(self, cat: str, delta: int) -> None:
@@ -206,6 +208,12 @@ class LiveTensorBytes(TorchDispatchMode):
             self.on_op(self)
         return out
 
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        entry = self._entries.get(id(st))
+        if entry is not None and entry.ref is not None and entry.ref() is st:
+            self._add(entry.category, st.nbytes() - entry.nbytes)
+            entry.nbytes = st.nbytes()
+
     def __enter__(self) -> LiveTensorBytes:
         self._orig_resize = torch.UntypedStorage.resize_
         orig = self._orig_resize
@@ -213,19 +221,32 @@ class LiveTensorBytes(TorchDispatchMode):
         @functools.wraps(orig)
         def resize_(st: torch.UntypedStorage, size: int) -> Any:
             res = orig(st, size)
-            entry = self._entries.get(id(st))
-            if entry is not None and entry.ref is not None and entry.ref() is st:
-                self._add(entry.category, st.nbytes() - entry.nbytes)
-                entry.nbytes = st.nbytes()
+            self._resized(st)
             return res
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        # fullshard's buffer pool (fullshard.pool) frees and refills gathered buffers by
+        # swapping data pointers with storages no tensor holds: follow both sides.
+        self._orig_swap = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+        swap_orig = self._orig_swap
+        if swap_orig is not None:
+
+            @functools.wraps(swap_orig)
+            def swap(st: torch.UntypedStorage, other: torch.UntypedStorage) -> Any:
+                res = swap_orig(st, other)
+                self._resized(st)
+                self._resized(other)
+                return res
+
+            torch.UntypedStorage._swap_data_ptr_ = swap  # type: ignore[attr-defined]
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        if self._orig_swap is not None:
+            torch.UntypedStorage._swap_data_ptr_ = self._orig_swap  # type: ignore[attr-defined]
 
 
 class PeakMemory:
