@@ -9,6 +9,8 @@ Variants (each is a public setting, nothing is patched):
 - ``fs-packed``: ``transport="packed"`` — one packed buffer per collective, the NCCL path;
 - ``fs-p2p``: ``transport="p2p"`` — every gather and reduction in pieces (on more than 2
   ranks the reduce-scatter needs scratch; see fullshard.transport);
+- ``fs-dtensor-step``: as shipped, but AdamW steps on the DTensors (no
+  ``fullshard.optim.local_step``), as it must under FSDP2;
 - ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``);
 - ``ddp``: torch DDP (the step time ZeRO-3 is held to on ``speed`` and ``comm``).
 
@@ -33,13 +35,14 @@ from fullshard.bench.configs import get_config
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.testing import run_distributed
 
-# variant -> (bench mode, fullshard transport)
+# variant -> (bench mode, fullshard transport, local optimizer step)
 VARIANTS = {
-    "fullshard": ("fullshard", "auto"),
-    "fs-packed": ("fullshard", "packed"),
-    "fs-p2p": ("fullshard", "p2p"),
-    "fsdp2": ("fsdp2", "auto"),
-    "ddp": ("ddp", "auto"),
+    "fullshard": ("fullshard", "auto", True),
+    "fs-packed": ("fullshard", "packed", True),
+    "fs-p2p": ("fullshard", "p2p", True),
+    "fs-dtensor-step": ("fullshard", "auto", False),
+    "fsdp2": ("fsdp2", "auto", True),
+    "ddp": ("ddp", "auto", True),
 }
 
 
@@ -47,8 +50,8 @@ def variant_rank(cfg_dict: dict[str, Any], variant: str) -> dict[str, Any]:
     """Run one variant on this rank (the bench worker with the variant's settings)."""
     import fullshard.bench.worker as worker
 
-    mode, transport = VARIANTS[variant]
-    return worker.run_rank(dict(cfg_dict, transport=transport), mode)
+    mode, transport, local = VARIANTS[variant]
+    return worker.run_rank(dict(cfg_dict, transport=transport, local_step=local), mode)
 
 
 def main() -> int:

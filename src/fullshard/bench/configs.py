@@ -42,6 +42,9 @@ class BenchConfig:
     reshard_after_forward: bool = True
     transport: str = "auto"
     """fullshard's ``CommPolicy(transport=...)``: ``auto``, ``packed`` or ``p2p``."""
+    local_step: bool = True
+    """fullshard's AdamW steps on the local shards (:func:`fullshard.optim.local_step`, as
+    ``fullshard train`` does); ``False`` steps on the DTensors, as FSDP2's must."""
     lr: float = 1e-3
     seed: int = 0
 

@@ -5,7 +5,8 @@ The model is :class:`~fullshard.models.TinyUnits`: ``units`` blocks of ``LayerNo
 rank and plain SGD, so compute is negligible and a sharded step's time is the engine's
 bookkeeping: hooks, parameter swaps, DTensor wrapping, the optimizer's dispatch. The modes are
 
-- ``fullshard`` / ``fsdp2``: every block, then the root, under the engine's ``fully_shard``;
+- ``fullshard`` / ``fsdp2``: every block, then the root, under the engine's ``fully_shard``
+  (fullshard's SGD steps on the local shards, :func:`fullshard.optim.local_step`);
 - ``bare``: the same model with no engine at all (at world size > 1, one unsynchronised replica
   per rank: the floor with no communication and no hooks),
 
@@ -39,6 +40,7 @@ from torch import nn
 from fullshard.bench.configs import OVERHEAD_MODES
 from fullshard.bench.runner import alternate, machine_info
 from fullshard.models import TinyUnits
+from fullshard.optim import local_step
 from fullshard.peers import load_fully_shard
 from fullshard.testing import run_distributed
 
@@ -115,7 +117,10 @@ def _build(cfg: OverheadConfig, mode: str) -> tuple[nn.Module, torch.optim.Optim
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    if mode == "fullshard":  # fullshard's optimizer path: the step on local shards
+        local_step(opt)
+    return model, opt
 
 
 def _inputs(cfg: OverheadConfig, rank: int, steps: int) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from fullshard.bench.comm import KINDS, CommMeter, ddp_comm_per_step
 from fullshard.bench.configs import BenchConfig
 from fullshard.memory.tracker import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from fullshard.models import GPT, GPTConfig
+from fullshard.optim import local_step
 from fullshard.peers import load_fully_shard
 
 __all__ = ["corpus", "make_batches", "model_config", "run_rank", "wrap"]
@@ -154,6 +155,8 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     net = wrap(model, mode, cfg.reshard_after_forward, cfg.transport)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if mode == "fullshard" and cfg.local_step:
+        local_step(opt)  # bitwise the DTensor step (tests/test_optim_local.py), without dispatch
     meter = _meter(mode)
     gc.collect()
     dist.barrier()

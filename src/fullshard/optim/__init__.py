@@ -6,15 +6,26 @@
   matrices, AdamW on the rest).
 - :class:`Muon`: ``torch.optim.Muon`` with a choice of Newton-Schulz dtype (float32 is the
   fast one on CPUs without native bf16 matmuls).
+- :func:`local_step`: step an element-wise optimizer (AdamW, SGD, ...) on the local shards,
+  bit-for-bit the DTensor step without DTensor's per-op dispatch.
 - :class:`Shampoo`: a small whole-matrix preconditioner optimizer (a reference and test case).
 
 See ``docs/optim.md``.
 """
 
 from .exchange import Traffic
+from .local import ELEMENTWISE, local_step
 from .multi import MultiOptimizer
 from .muon import Muon
 from .shampoo import Shampoo
 from .whole import WholeTensor
 
-__all__ = ["MultiOptimizer", "Muon", "Shampoo", "Traffic", "WholeTensor"]
+__all__ = [
+    "ELEMENTWISE",
+    "MultiOptimizer",
+    "Muon",
+    "Shampoo",
+    "Traffic",
+    "WholeTensor",
+    "local_step",
+]

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fullshard.optim import local_step
+
 __all__ = [
     "LossScaler",
     "build_optimizer",
@@ -63,7 +65,8 @@ def build_optimizer(
     layers: Sequence[nn.Module] = (),
     ns_dtype: str = "bfloat16",
 ) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not biases, norm scales or 1-D params).
+    """AdamW with weight decay on matrices only (not biases, norm scales or 1-D params),
+    stepping on the local shards (:func:`fullshard.optim.local_step`).
 
     ``kind="muon"``: :class:`fullshard.optim.Muon` (``torch.optim.Muon``'s update, its
     Newton-Schulz iteration in ``ns_dtype``) on the 2-D weights of ``layers`` (the blocks), run
@@ -82,6 +85,9 @@ def build_optimizer(
         betas=betas,
         foreach=False,
     )
+    # Element-wise: stepped on the local shards, bit-for-bit the DTensor step without
+    # DTensor's per-op dispatch ([Note: stepping on local shards]).
+    adamw = local_step(adamw)
     if kind == "adamw":
         return adamw
     from fullshard.optim import MultiOptimizer, Muon, WholeTensor
