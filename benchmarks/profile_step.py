@@ -9,6 +9,7 @@ rank), time blocked in collectives, and rank 0's top operators by self CPU time.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -25,7 +26,9 @@ import torch.nn.functional as F
 from fullshard.bench.comm import CommMeter
 from fullshard.bench.configs import BenchConfig, get_config
 from fullshard.bench.worker import make_batches, model_config, wrap
+from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.models import GPT
+from fullshard.optim import local_step
 from fullshard.testing import run_distributed
 
 
@@ -36,6 +39,8 @@ def profile_rank(cfg_dict: dict[str, Any], mode: str, rows: int) -> dict[str, An
     torch.manual_seed(cfg.seed)
     net = wrap(GPT(model_config(cfg)), mode, cfg.reshard_after_forward)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if mode == "fullshard" and cfg.local_step:  # as in fullshard bench
+        local_step(opt)
     meter = CommMeter().install()
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "blocked": []}
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -72,6 +77,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=20)
     args = ap.parse_args()
     cfg = get_config(args.config).replace(steps=args.steps, warmup=args.warmup)
+    os.environ.update(MALLOC_ENV)  # the allocator settings fullshard bench runs with
     for mode in args.modes:
         ranks = run_distributed(profile_rank, 2, asdict(cfg), mode, args.rows, timeout=1800)
         print(f"== {mode} ({args.config}): seconds per step, median of steps, slower rank")

@@ -153,9 +153,10 @@ def _rank_main() -> dict[str, object]:
     assert torch.equal(out, torch.cat([_chunk(g, 0, torch.bfloat16) for g in range(4)]))
     # what "auto" picks on gloo, as recorded
     big = C.P2P_MIN_BYTES // 4 // 2  # fp32 elements per rank: a full buffer of >= P2P_MIN_BYTES
+    mid = C.P2P_SMALL_BYTES // 4  # 2 ranks: a full buffer of 2 x P2P_SMALL_BYTES, between both
     with C.count_collectives() as stats:
         for group, size in ((world, 4), (pair, 2)):
-            for n in (N, big):
+            for n in (N, mid, big):
                 C.all_gather(torch.empty(size * n), torch.zeros(n), group).wait()
                 C.reduce_scatter(torch.empty(n), torch.zeros(size * n), group).wait()
     picked = [(r.kind, r.group_size, r.algorithm) for r in stats.records]
@@ -186,13 +187,18 @@ def test_every_algorithm_matches_the_collective(results: list[dict[str, object]]
 
 
 def test_auto_picks_p2p_where_it_is_faster_and_free(results: list[dict[str, object]]) -> None:
-    # small buffers: gloo's own all-gather and the in-place all-reduce (a p2p round trip per
-    # message costs more than it saves); large ones: p2p where it needs no scratch
+    # 4 ranks: gloo's all-gather and the in-place all-reduce below P2P_MIN_BYTES, the p2p
+    # all-gather above it. 2 ranks: p2p for small buffers (one round trip, not gloo's) and
+    # large ones, gloo's collectives between (see collectives.P2P_SMALL_BYTES)
     assert results[0]["picked"] == [
+        ("all_gather", 4, "all_gather"),
+        ("reduce_scatter", 4, "all_reduce"),
         ("all_gather", 4, "all_gather"),
         ("reduce_scatter", 4, "all_reduce"),
         ("all_gather", 4, "p2p"),
         ("reduce_scatter", 4, "all_reduce"),  # p2p would need 2 chunks of scratch
+        ("all_gather", 2, "p2p"),
+        ("reduce_scatter", 2, "p2p"),
         ("all_gather", 2, "all_gather"),
         ("reduce_scatter", 2, "all_reduce"),
         ("all_gather", 2, "p2p"),

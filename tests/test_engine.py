@@ -148,10 +148,11 @@ def test_parity_and_counts(world: int, references) -> None:
             assert sorted(step_counts) == sorted(expected), case
         assert leftover == [0] * STEPS, f"{case}: gathered storage left after a step {leftover}"
         assert paths == _expected_paths(name, transport, world), f"{case}: {sorted(paths)}"
-        # gloo: pieces are p2p exchanges; packed buffers this small use gloo's all-gather and
-        # the in-place all-reduce (collectives.P2P_MIN_BYTES)
+        # gloo: pieces are p2p exchanges; packed buffers this small are one p2p message per
+        # peer on 2-rank groups (collectives.P2P_SMALL_BYTES), and on larger groups gloo's
+        # all-gather and the in-place all-reduce (collectives.P2P_MIN_BYTES)
         for kind, size, algo in algos:
-            small = "all_gather" if kind == "all_gather" else "all_reduce"
+            small = "p2p" if size == 2 else "all_gather" if kind == "all_gather" else "all_reduce"
             pieces = transport == "p2p" and not (name.startswith("raf_2") and size == 2)
             want = {"p2p"} if pieces else {small}
             if transport == "p2p" and name.startswith("raf_2") and kind == "all_gather":

@@ -254,12 +254,16 @@ _P2P_TAG_SPACE = 1 << 30
 # Up to this many ranks a gloo all-gather is N - 1 sends and receives per rank; measured on 2
 # and 4 ranks. Past it, gloo's own all-gather (a ring) is used.
 P2P_MAX_RANKS = 8
-# Below this many bytes (the full buffer) gloo's own collectives win: every p2p message costs a
-# round trip that a small payload cannot amortise. ``python benchmarks/collectives.py --nproc 2
-# --sizes 0.004 0.03 0.25 1 4``: all-gather 0.8 / 1.1 / 1.2 ms (gloo) vs 2.5 / 3.6 / 3.1 ms
-# (p2p) up to 0.25 MiB, 7.0 vs 4.5 ms at 1 MiB; reduce-scatter 0.9 / 5.6 / 1.3 ms (all-reduce)
-# vs 3.6 / 5.2 / 9.2 ms (p2p) up to 0.25 MiB, 3.3 vs 1.3 ms at 1 MiB (a loaded machine).
+# Between these two sizes (the full buffer) gloo's own collectives are kept; outside it, on 2
+# ranks, one message per peer wins. Small buffers are latency: gloo's all-gather and its ring
+# all-reduce (two round trips) against one send and one receive. Large ones are bandwidth: see
+# [Note: p2p on gloo]. Quiet machine, ``python benchmarks/collectives.py --nproc 2 --sizes
+# 0.004 0.016 0.064 0.128 0.25 0.5 --iters 200``, two runs, ms: all-gather 0.40-0.57 (gloo) vs
+# 0.33-0.51 (p2p) up to 0.128 MiB; reduce-scatter 0.61-1.06 (as all-reduce) vs 0.34-0.61 (p2p)
+# up to 0.128 MiB, while at 0.25-0.5 MiB a p2p exchange sometimes took 2-3.6 ms. Both bands
+# matter to small units (``fullshard bench --config overhead``: 64 units of 4.5 KiB).
 P2P_MIN_BYTES = 512 * 1024
+P2P_SMALL_BYTES = 64 * 1024
 
 
 def _algorithm(
@@ -273,8 +277,9 @@ def _algorithm(
     ranks, where the one received chunk lands in the output and needs no scratch, and an
     in-place all-reduce on more (a p2p reduce-scatter holds N - 2 received chunks in scratch at
     once: 24 MiB per rank on ``fullshard bench --config memory --nproc 4``, +30 MiB peak RSS,
-    above FSDP2's). Smaller buffers use gloo's all-gather and the in-place all-reduce. Other
-    backends use their own collective.
+    above FSDP2's). On 2 ranks buffers of at most ``P2P_SMALL_BYTES`` are p2p exchanges too
+    (one round trip instead of gloo's). The rest use gloo's all-gather and the in-place
+    all-reduce. Other backends use their own collective.
     """
     known = ("auto", kind, "p2p", *(("all_reduce",) if kind == "reduce_scatter" else ()))
     if requested not in known:
@@ -285,9 +290,10 @@ def _algorithm(
         return kind
     size = dist.get_world_size(group)
     large = nbytes >= P2P_MIN_BYTES
+    small = size == 2 and nbytes <= P2P_SMALL_BYTES
     if kind == "reduce_scatter":
-        return "p2p" if size == 2 and large else "all_reduce"
-    return "p2p" if size <= P2P_MAX_RANKS and large else kind
+        return "p2p" if size == 2 and (large or small) else "all_reduce"
+    return "p2p" if (size <= P2P_MAX_RANKS and large) or small else kind
 
 
 def _start(

@@ -21,7 +21,9 @@ no offload, no replicas, no wire dtype) moves nothing at all: its transport is `
 ``collectives.P2P_MIN_BYTES`` (512 KiB unsharded; below it a message's round trip costs more
 than the copies saved), gathers in pieces up to 8 ranks and reductions in pieces on 2 ranks
 (on more, a p2p reduce-scatter needs N - 2 chunks of scratch, +30 MiB peak RSS per rank at
-N = 4 on ``fullshard bench --config memory``); packed everywhere else (NCCL). A unit chooses once, at lazy init (:func:`select_transport`); the planner's engine
+N = 4 on ``fullshard bench --config memory``); packed everywhere else (NCCL). A packed
+buffer's collective on gloo may itself be one p2p message per peer (on 2 ranks, up to
+``collectives.P2P_SMALL_BYTES``: see ``collectives._algorithm``). A unit chooses once, at lazy init (:func:`select_transport`); the planner's engine
 model (``fullshard.memory.planner``) and the benchmarks' variants use the same function.
 """
 
