@@ -25,10 +25,9 @@ import torch.nn.functional as F
 
 from fullshard.bench.comm import CommMeter
 from fullshard.bench.configs import BenchConfig, get_config
-from fullshard.bench.worker import make_batches, model_config, wrap
+from fullshard.bench.worker import make_batches, make_optimizer, model_config, wrap
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.models import GPT
-from fullshard.optim import local_step
 from fullshard.testing import run_distributed
 
 
@@ -38,9 +37,7 @@ def profile_rank(cfg_dict: dict[str, Any], mode: str, rows: int) -> dict[str, An
     batches = make_batches(cfg, cfg.global_batch(world), rank, world)
     torch.manual_seed(cfg.seed)
     net = wrap(GPT(model_config(cfg)), mode, cfg.reshard_after_forward)
-    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if mode == "fullshard" and cfg.local_step:  # as in fullshard bench
-        local_step(opt)
+    opt = make_optimizer(net, cfg, mode)  # as in fullshard bench
     meter = CommMeter().install()
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "blocked": []}
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

@@ -25,7 +25,7 @@ from fullshard.models import GPT, GPTConfig
 from fullshard.optim import local_step
 from fullshard.peers import load_fully_shard
 
-__all__ = ["corpus", "make_batches", "model_config", "run_rank", "wrap"]
+__all__ = ["corpus", "make_batches", "make_optimizer", "model_config", "run_rank", "wrap"]
 
 
 def model_config(cfg: BenchConfig) -> GPTConfig:
@@ -86,6 +86,15 @@ def wrap(model: GPT, mode: str, reshard_after_forward: bool, transport: str = "a
     if mode in ("single", "nocomm"):
         return model
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def make_optimizer(net: nn.Module, cfg: BenchConfig, mode: str) -> torch.optim.Optimizer:
+    """Every mode's AdamW; fullshard's steps on the local shards unless ``cfg.local_step`` is
+    off (bitwise the DTensor step, tests/test_optim_local.py, without DTensor's dispatch)."""
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if mode == "fullshard" and cfg.local_step:
+        local_step(opt)
+    return opt
 
 
 class _EngineMeter:
@@ -154,9 +163,7 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
     n_params = model.num_parameters()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     net = wrap(model, mode, cfg.reshard_after_forward, cfg.transport)
-    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if mode == "fullshard" and cfg.local_step:
-        local_step(opt)  # bitwise the DTensor step (tests/test_optim_local.py), without dispatch
+    opt = make_optimizer(net, cfg, mode)
     meter = _meter(mode)
     gc.collect()
     dist.barrier()
