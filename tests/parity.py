@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from fullshard.events import EngineEvent
+
 VOCAB, DIM, HIDDEN, SEQ, GLOBAL_BATCH = 13, 10, 7, 6, 24
 
 
@@ -141,3 +143,10 @@ def shard_net(model: Net, **fully_shard_kwargs: object) -> Net:
         fully_shard(block, **fully_shard_kwargs)  # type: ignore[arg-type]
     fully_shard(model, **fully_shard_kwargs)  # type: ignore[arg-type]
     return model
+
+
+def reused_gathers(log: list[EngineEvent]) -> int:
+    """Gathers in ``log`` that took back their unit's pooled memory instead of communicating
+    ([Note: taking back a unit's own gathered memory] in ``fullshard.pool``). ZeRO-3's theory
+    counts them as all-gathers."""
+    return sum(e.kind == "gather_issue" and e.detail == "reused" for e in log)

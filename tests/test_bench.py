@@ -89,7 +89,12 @@ def test_traffic_matches_zero3_theory(report: dict) -> None:
     assert ddp["bytes_vs_theory"] == pytest.approx(1.0, rel=0.02)
     if "fullshard" in run["modes"]:
         fs = run["modes"]["fullshard"]["comm"]
-        assert fs["bytes_vs_theory"] == pytest.approx(1.0, rel=0.02)
+        # The root and the last block take back their pooled memory for backward instead of
+        # regathering it ([Note: taking back a unit's own gathered memory]): two all-gathers
+        # fewer than FSDP2's per step, the same reduce-scatters, less than the theory's bytes
+        assert fs["calls_per_step"]["all_gather"] == fsdp2["calls_per_step"]["all_gather"] - 2
+        assert fs["calls_per_step"]["reduce_scatter"] == fsdp2["calls_per_step"]["reduce_scatter"]
+        assert 0.5 < fs["bytes_vs_theory"] < 0.98
 
 
 def test_loss_check_passes(report: dict) -> None:

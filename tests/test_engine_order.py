@@ -64,12 +64,15 @@ def _order(transport: str, explicit: bool) -> dict[str, object]:
     # blocks.1 holds a never-used Linear: its gradients never all arrive, so the end-of-
     # backward callback reduces it
     out["blocks.1 reduce in callback"] = _index(log, "reduce_issue", "blocks.1") > end
-    # [Note: recycling unsharded buffers]: the last block's backward gather reuses the memory
-    # its forward freed; blocks.1's was not kept through the loss (no gather would take it
-    # before backward's), and nothing stays pooled after the step
+    # [Note: recycling unsharded buffers]: the last block's backward gather takes back the
+    # memory its forward freed, which still holds its parameters: no all-gather at all ([Note:
+    # taking back a unit's own gathered memory]); blocks.1's was not kept through the loss (no
+    # gather would take it before backward's), and nothing stays pooled after the step
     start = _index(log, "backward_start", "Net (root)")
     allocs = {(e.unit, e.detail) for e in log[start:] if e.kind == "unshard_alloc"}
-    out["blocks.2 backward gather recycled"] = ("blocks.2", "recycled") in allocs
+    issues = {(e.unit, e.detail) for e in log[start:] if e.kind == "gather_issue"}
+    out["blocks.2 backward gather reused"] = ("blocks.2", "reused") in issues
+    out["blocks.2 backward gather only reused"] = [u for u, _ in issues].count("blocks.2") == 1
     if not explicit:  # the previous forward's order says what comes after blocks.1
         out["blocks.1 backward gather fresh"] = ("blocks.1", "fresh") in allocs
     out["nothing pooled after the step"] = model.__dict__[STATE_ATTR].ctx.pool.nbytes == 0
@@ -147,6 +150,47 @@ def _knobs() -> dict[str, object]:
             sum(e.kind == "gather_issue" for e in log),
         )
     out["copies"] = copies
+    out["stale"] = _stale_copies()
+    return out
+
+
+def _clamp_weight(module: torch.nn.Module, args: object) -> None:
+    with torch.no_grad():
+        module.up.weight.clamp_(-0.05, 0.05)
+
+
+def _stale_copies() -> dict[str, object]:
+    """[Note: taking back a unit's own gathered memory]: a pooled copy is taken back only while
+    it is what a gather would bring. Each case changes blocks.2 between its forward and its
+    backward (or not), records which backward gathers were taken back, and compares the
+    gradients with the same run on an engine that pools nothing."""
+    rank, per = dist.get_rank(), GLOBAL_BATCH // dist.get_world_size()
+    x, y = batch(0)
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+    def run(change: str, pool: bool) -> tuple[list[str], list[torch.Tensor]]:
+        model = shard_net(make_net())
+        loss_fn(model(x), y).backward()  # lazy init; the pool exists from here on
+        model.zero_grad()
+        model.__dict__[STATE_ATTR].ctx.pool.enabled = pool
+        block = model.blocks[2]
+        if change == "unsharded":  # writes into the gathered parameter during forward
+            block.register_forward_pre_hook(_clamp_weight)  # after the unit's own (gather)
+        loss = loss_fn(model(x), y)
+        if change == "shard":  # an in-place update of the shard between forward and backward
+            with torch.no_grad():
+                block.up.weight.mul_(2.0)
+        with record_events() as log:
+            loss.backward()
+        reused = sorted(e.unit for e in log if e.kind == "gather_issue" and e.detail == "reused")
+        return reused, [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
+
+    out: dict[str, object] = {}
+    for change in ("none", "shard", "unsharded"):
+        reused, grads = run(change, pool=True)
+        plain_reused, plain = run(change, pool=False)
+        same = len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
+        out[change] = (reused, plain_reused, same)
     return out
 
 
@@ -168,9 +212,10 @@ def test_set_reshard_after_forward(results) -> None:
     r = results[0]
     assert "reshard_after_forward=3" in r["bad k"] and "2" in r["bad k"]
     gathers = r["gathers"]
-    # True: forward gathers 4 units, backward regathers the 3 blocks (the root keeps its own
-    # only under None); False: backward gathers nothing
-    assert gathers[0] == (True, 8) and gathers[1] == (False, 4) and gathers[2] == (True, 8)
+    # True: forward gathers 4 units, backward regathers blocks.0 and blocks.1; the root and
+    # blocks.2 take back their pooled memory instead (the root keeps its own only under None;
+    # [Note: taking back a unit's own gathered memory]); False: backward gathers nothing
+    assert gathers[0] == (True, 6) and gathers[1] == (False, 4) and gathers[2] == (True, 6)
 
 
 def test_set_is_last_backward(results) -> None:
@@ -192,3 +237,13 @@ def test_cpu_offload_moves_shards_and_gradients(results) -> None:
         assert d2h == grad_bytes > 0  # every gradient shard went to the host
         assert h2d >= shard_bytes > 0  # every shard went to the device at least once
         assert r["copies"]["none"][:2] == (0, 0)
+
+
+def test_stale_pooled_copy_is_gathered_again(results) -> None:
+    for r in results:
+        for change, (reused, plain_reused, same) in r["stale"].items():
+            assert plain_reused == [], change  # no pool, nothing to take back
+            assert same, f"{change}: gradients differ from the engine without a pool"
+            # unchanged, blocks.2 regathers from its pooled memory (the root keeps its own
+            # under None); a changed shard or a write into the gathered parameter: it gathers
+            assert ("blocks.2" in reused) == (change == "none"), (change, reused)

@@ -21,9 +21,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _Torc
 
 import fullshard
 from fullshard import FullyShardError, fully_shard
+from fullshard.events import record_events
 from fullshard.hooks import FSDPState
 from fullshard.state import TrainingState
 from fullshard.testing import run_distributed
+from parity import reused_gathers
 from test_composition_extra import BitsGather
 
 _TORCH_FULLY_SHARD = tfsdp.fully_shard
@@ -306,9 +308,10 @@ def _unshard_in_backward() -> dict[str, Any]:
         for step in range(3):
             idx = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
             loss = net(idx).square().mean()
-            with fullshard.count_collectives() as stats:
+            with fullshard.count_collectives() as stats, record_events() as log:
                 loss.backward()
-            gathers.append(stats.calls("all_gather"))
+            # a gather that took back its unit's pooled memory counts as a gather here
+            gathers.append(stats.calls("all_gather") + reused_gathers(log))
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
@@ -414,9 +417,15 @@ def _custom_comms(middle: type[nn.Module] | None = None) -> dict[str, Any]:
     plus the default run's traffic as fullshard counts it. ``middle``: the second block's
     class (``ExtBlock``: its weight uses the all-gather extension)."""
     out: dict[str, Any] = {}
-    with fullshard.count_collectives() as stats:
+    with fullshard.count_collectives() as stats, record_events() as log:
         out["default"] = _train(_model(middle=middle))
-    out["default_traffic"] = {k: stats.by_kind()[k] for k in ("all_gather", "reduce_scatter")}
+    traffic = {k: dict(stats.by_kind()[k]) for k in ("all_gather", "reduce_scatter")}
+    # By default a unit may take back its pooled memory instead of gathering ([Note: taking
+    # back a unit's own gathered memory]); a custom all-gather sees every gather, as in FSDP2.
+    reused = [e for e in log if e.kind == "gather_issue" and e.detail == "reused"]
+    traffic["all_gather"]["calls"] += len(reused)
+    traffic["all_gather"]["bytes"] += sum(e.nbytes for e in reused)
+    out["default_traffic"], out["default_reused"] = traffic, len(reused)
     for name, shard in (("fullshard", fully_shard), ("torch", _TORCH_FULLY_SHARD)):
         model, ag, rs = _model(shard, middle), _CountingAllGather(), _CountingReduceScatter()
         for unit in _units(model):
@@ -670,7 +679,9 @@ def _check_overrides(r: dict[str, Any]) -> None:
     cc = r["custom_comms"]
     _same_run(cc["fullshard"], cc["default"], atol=1e-6)
     _same_run(cc["fullshard"], cc["torch"], atol=1e-6)
-    # every collective went through the custom comms: the traffic fullshard counts by default
+    # every collective went through the custom comms: the traffic fullshard counts by default,
+    # with the gathers the default run took back from its pool
+    assert cc["default_reused"] > 0
     assert cc["fullshard"]["comms"] == cc["default_traffic"], cc
     # as many calls as FSDP2 makes (2 steps x (4 + 3 all-gathers, 4 reduce-scatters))
     assert cc["fullshard"]["comms"]["all_gather"]["calls"] == 14

@@ -30,7 +30,7 @@ class EngineEvent:
     kind: str
     unit: str
     detail: str = ""  # e.g. the transport path: "packed" or "pieces"
-    nbytes: int = 0  # for copies (h2d / d2h)
+    nbytes: int = 0  # copies (h2d / d2h); a "reused" gather_issue: the bytes not gathered
 
 
 # Logs currently listening: explicit and scoped by ``record_events`` (no other global state).

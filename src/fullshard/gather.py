@@ -69,6 +69,12 @@ def _offload_event(g: ParamGroup) -> None:
 def start_gather(g: ParamGroup) -> PendingGather:
     """Issue the all-gather of ``g``'s parameters the way its transport says."""
     g.check_materialised()
+    if g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
+        buf = g.unsharded_buf
+        assert buf is not None
+        # nbytes: what the all-gather would have counted (its full output)
+        emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
+        return PendingGather(C.Handle(None), None, None)
     _offload_event(g)
     in_pieces = (
         g.transport.gathers_in_pieces

@@ -12,6 +12,7 @@ on the placement lives in :class:`~fullshard.param.ShardedParam`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,16 @@ def _ranks(info: MeshInfo) -> tuple[tuple[int, ...], ...]:
 def _mesh_name(info: MeshInfo) -> str:
     names = info.mesh.mesh_dim_names
     return f"mesh {names}" if names else f"mesh {info.mesh.mesh.tolist()}"
+
+
+@dataclass(frozen=True, eq=False)
+class _Content:
+    """What a freed unsharded buffer holds: the gather of these shards (each parameter's
+    DTensor and local tensor) at these version counters ([Note: taking back a unit's own gathered memory] in ``fullshard.pool``)."""
+
+    group: ParamGroup
+    shards: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
 
 
 class ParamGroup:
@@ -104,6 +115,7 @@ class ParamGroup:
         self.post_forward_chunk: torch.Tensor | None = None  # 1D [world/k * total]
         self._gather: PendingGather | None = None  # the all-gather in flight
         self.unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
+        self._gathered_version = -1  # the buffer's version counter when its gather finished
         self._grads_seen = 0
         self._grads_expected = 0  # trainable parameters (set by init_layout)
         # (id, dtype) of the params the layout was built for
@@ -345,13 +357,51 @@ class ParamGroup:
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
             if recycle:
-                self.pool.put(storage)
+                self.pool.put(storage, self._content())
             else:
                 storage.resize_(0)
         for sp in self.layout:
             sp.free_unsharded()
         if self.extended is not None:
             self.extended.release()
+
+    def _content(self) -> _Content | None:
+        """What the unsharded buffer holds, if a later gather of this unit may take it back
+        instead of gathering ([Note: taking back a unit's own gathered memory])."""
+        buf = self.unsharded_buf
+        if (
+            buf is None
+            or self.state is not ShardedState.UNSHARDED  # a gather in flight never finished
+            or buf._version != self._gathered_version  # someone wrote into the parameters
+            or self.overrides.all_gather is not None  # a custom comm sees every gather
+            or self.extended is not None
+            or self.post_forward_group is not None
+            or self.offloaded
+        ):
+            return None
+        shards = self._shard_tensors()
+        return _Content(self, shards, tuple(t._version for t in shards))
+
+    def _shard_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Each parameter's DTensor and its local tensor: an in-place update through the
+        DTensor bumps only the DTensor's version counter, one on the local tensor (the local
+        optimizer step, ``to_local()``) only the local's."""
+        return tuple(t for sp in self.layout for t in (sp.sharded_param, sp.local))
+
+    def _holds_current(self, content: object) -> bool:
+        """``content`` is this unit's gather of its current shards."""
+        if not isinstance(content, _Content) or content.group is not self:
+            return False
+        shards = self._shard_tensors()
+        return len(shards) == len(content.shards) and all(
+            a is b and a._version == v for a, b, v in zip(shards, content.shards, content.versions)
+        )
+
+    def reclaim_gathered(self) -> bool:
+        """Take back this unit's own freed memory if it still holds the current gather, in
+        place of gathering ([Note: taking back a unit's own gathered memory])."""
+        buf = self.unsharded_buf
+        return buf is not None and self.pool.reclaim(buf.untyped_storage(), self._holds_current)
 
     def check_materialised(self) -> None:
         """Raise a clear error if any parameter is still on the meta device."""
@@ -408,6 +458,8 @@ class ParamGroup:
             child.wait_for_unshard()
         for sp in self.own_params:
             sp.to_unsharded()
+        if self.unsharded_buf is not None:
+            self._gathered_version = self.unsharded_buf._version
         self._to(ShardedState.UNSHARDED)
 
     # ---------------------------------------------------------------------------- reshard
