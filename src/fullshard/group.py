@@ -56,7 +56,8 @@ def _mesh_name(info: MeshInfo) -> str:
 @dataclass(frozen=True, eq=False)
 class _Content:
     """What a freed unsharded buffer holds: the gather of these shards (each parameter's
-    DTensor and local tensor) at these version counters ([Note: taking back a unit's own gathered memory] in ``fullshard.pool``)."""
+    DTensor and local tensor) at these version counters ([Note: taking back a unit's own
+    gathered memory] in ``fullshard.pool``)."""
 
     group: ParamGroup
     shards: tuple[torch.Tensor, ...]
@@ -383,9 +384,8 @@ class ParamGroup:
         return _Content(self, shards, tuple(t._version for t in shards))
 
     def _shard_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Each parameter's DTensor and its local tensor: an in-place update through the
-        DTensor bumps only the DTensor's version counter, one on the local tensor (the local
-        optimizer step, ``to_local()``) only the local's."""
+        """Each parameter's DTensor and its local tensor (an in-place update bumps the version
+        counter of only the one it went through; see the Note)."""
         return tuple(t for sp in self.layout for t in (sp.sharded_param, sp.local))
 
     def _holds_current(self, content: object) -> bool:
@@ -401,7 +401,10 @@ class ParamGroup:
         """Take back this unit's own freed memory if it still holds the current gather, in
         place of gathering ([Note: taking back a unit's own gathered memory])."""
         buf = self.unsharded_buf
-        return buf is not None and self.pool.reclaim(buf.untyped_storage(), self._holds_current)
+        if buf is None:
+            return False
+        nbytes = buf.numel() * buf.element_size()
+        return self.pool.reclaim(buf.untyped_storage(), nbytes, self._holds_current)
 
     def check_materialised(self) -> None:
         """Raise a clear error if any parameter is still on the meta device."""
