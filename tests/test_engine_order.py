@@ -64,17 +64,19 @@ def _order(transport: str, explicit: bool) -> dict[str, object]:
     # blocks.1 holds a never-used Linear: its gradients never all arrive, so the end-of-
     # backward callback reduces it
     out["blocks.1 reduce in callback"] = _index(log, "reduce_issue", "blocks.1") > end
-    # [Note: recycling unsharded buffers]: the last block's backward gather takes back the
-    # memory its forward freed, which still holds its parameters: no all-gather at all ([Note:
-    # taking back a unit's own gathered memory]); blocks.1's was not kept through the loss (no
-    # gather would take it before backward's), and nothing stays pooled after the step
+    # [Note: recycling unsharded buffers]: backward's first gathers (the root's, the last
+    # block's and its prefetch, blocks.1) take back the memory their forward freed, which still
+    # holds their parameters: no all-gather at all ([Note: taking back a unit's own gathered
+    # memory]); blocks.0's was not kept (blocks.2, two on, gathers other bytes), so it
+    # gathers; and nothing stays pooled after the step
     start = _index(log, "backward_start", "Net (root)")
-    allocs = {(e.unit, e.detail) for e in log[start:] if e.kind == "unshard_alloc"}
-    issues = {(e.unit, e.detail) for e in log[start:] if e.kind == "gather_issue"}
-    out["blocks.2 backward gather reused"] = ("blocks.2", "reused") in issues
-    out["blocks.2 backward gather only reused"] = [u for u, _ in issues].count("blocks.2") == 1
-    if not explicit:  # the previous forward's order says what comes after blocks.1
-        out["blocks.1 backward gather fresh"] = ("blocks.1", "fresh") in allocs
+    issues = [(e.unit, e.detail) for e in log[start:] if e.kind == "gather_issue"]
+    for unit in ("blocks.2", "blocks.1"):
+        out[f"{unit} backward gather only reused"] = [i for i in issues if i[0] == unit] == [
+            (unit, "reused")
+        ]
+    if not explicit:  # the previous forward's order says blocks.2 comes two after blocks.0
+        out["blocks.0 backward gather gathers"] = ("blocks.0", "reused") not in issues
     out["nothing pooled after the step"] = model.__dict__[STATE_ATTR].ctx.pool.nbytes == 0
     return out
 
@@ -212,10 +214,11 @@ def test_set_reshard_after_forward(results) -> None:
     r = results[0]
     assert "reshard_after_forward=3" in r["bad k"] and "2" in r["bad k"]
     gathers = r["gathers"]
-    # True: forward gathers 4 units, backward regathers blocks.0 and blocks.1; the root and
-    # blocks.2 take back their pooled memory instead (the root keeps its own only under None;
-    # [Note: taking back a unit's own gathered memory]); False: backward gathers nothing
-    assert gathers[0] == (True, 6) and gathers[1] == (False, 4) and gathers[2] == (True, 6)
+    # True: forward gathers 4 units, backward regathers blocks.0; the root, blocks.2 and
+    # blocks.1 (the last block's prefetch) take back their pooled memory instead (the root
+    # keeps its own only under None; [Note: taking back a unit's own gathered memory]);
+    # False: backward gathers nothing
+    assert gathers[0] == (True, 5) and gathers[1] == (False, 4) and gathers[2] == (True, 5)
 
 
 def test_set_is_last_backward(results) -> None:

@@ -349,6 +349,11 @@ class ParamGroup:
             return copies
         return self.unsharded_buf.untyped_storage().nbytes() + copies
 
+    def unsharded_nbytes(self) -> int:
+        """Bytes of the unit's gathered buffer (what a gather allocates; 0: none)."""
+        buf = self.unsharded_buf
+        return 0 if buf is None else buf.numel() * buf.element_size()
+
     def _release(self, recycle: bool = False) -> None:
         """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes; with
         ``recycle``, its memory goes to the pool for the next gather ([Note: recycling
@@ -403,8 +408,9 @@ class ParamGroup:
         buf = self.unsharded_buf
         if buf is None:
             return False
-        nbytes = buf.numel() * buf.element_size()
-        return self.pool.reclaim(buf.untyped_storage(), nbytes, self._holds_current)
+        return self.pool.reclaim(
+            buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current
+        )
 
     def check_materialised(self) -> None:
         """Raise a clear error if any parameter is still on the meta device."""

@@ -212,10 +212,15 @@ class FSDPState:
     # [Note: recycling unsharded buffers] (fullshard.pool): a freed buffer is kept only where
     # a gather will come to take it, so the pool never holds memory nobody reuses.
     def _recycles_in_forward(self, ctx: StepContext) -> bool:
-        """Keep this unit's memory after its forward: a unit after the next one will gather
-        (its prefetch), or this unit ran last, whose gather backward issues first."""
+        """Keep this unit's memory after its forward: the unit two on (the next one's prefetch)
+        gathers the same bytes, or backward's first gathers are this unit's own (the root,
+        the last unit and the one before it, the last unit's backward prefetch)."""
         nxt = ctx.next_in_forward(self)
-        return not nxt or any(ctx.next_in_forward(n) for n in nxt)
+        after = [a for n in nxt for a in ctx.next_in_forward(n)]
+        if self.is_root or not after:
+            return True
+        nbytes = self.group.unsharded_nbytes()
+        return any(a.group.unsharded_nbytes() == nbytes for a in after)
 
     def _recycles_in_backward(self, ctx: StepContext) -> bool:
         """Keep this unit's memory after its backward: the unit the next one prefetches has

@@ -15,10 +15,14 @@ size, as the GPU allocator would: ``put`` moves the memory out of the unit's sto
 left at 0 bytes, exactly as a resize would leave it) into a carrier storage; ``take`` moves a
 carrier's memory into the storage being gathered. Both swap the storages' data pointers, so
 the views autograd saved of the unsharded parameters follow, as they follow a resize. The pool
-holds at most ``capacity`` (2) buffers, the most recently freed, and only buffers a gather
+holds at most ``capacity`` (3) buffers, the most recently freed, and only buffers a gather
 will come for (``FSDPState._recycles_in_forward`` / ``_recycles_in_backward``): in forward,
-unit ``i``'s memory is taken by unit ``i + 2``'s prefetch, and the last unit's and the root's
-survive the loss to be taken by the first gathers of backward; in backward, unit ``i``'s is
+unit ``i``'s memory is taken by unit ``i + 2``'s prefetch (when that unit gathers the same
+bytes), and the root's and the last two units' survive the loss to be taken by the first
+gathers of backward (their own: the root's, the last unit's and its backward prefetch). Those
+bytes would be allocated again right at the start of backward, where the prefetched unit is
+held anyway, so on the benchmarks' configurations peak RSS does not change; only where the
+loss itself is the peak (a large vocabulary's logits) do they add to it. In backward, unit ``i``'s is
 taken by unit ``i - 2``'s prefetch, and the last two units of backward free theirs (a pooled
 buffer there would sit beside the gradients of every unit, measured +8 MiB peak RSS on
 ``memory`` at N = 2). The root's context also empties it when a forward begins, when a
@@ -29,15 +33,15 @@ caching allocator's reserve they show in RSS only.
 
 [Note: taking back a unit's own gathered memory]
 A pooled buffer still holds what it held when its unit freed it. Between forward and backward
-the last unit's and the root's buffers wait in the pool for their own backward gathers; if the
+the root's and the last two units' buffers wait in the pool for their own backward gathers; if the
 unit's shards have not changed since (the same shard tensors at the same version counters)
 and nothing wrote into the gathered parameters, those buffers already hold exactly what a
 gather would bring. So ``put`` records a *content* token with the buffer, and a unit's gather
 first tries ``reclaim``: its own memory back, with the same token, in place of the all-gather —
 no collective, no copy, and no wait on the peers at the start of backward. The memory is the
 same the plain recycle would have used, so peak memory does not change; the bytes on the wire
-drop by those units' backward gathers (``fullshard bench --config speed`` or ``comm``: 2 of 14
-all-gathers per step, 0.94x the ZeRO-3 theory's bytes). The version counters are both the
+drop by those units' backward gathers (``fullshard bench --config speed`` or ``comm``: 3 of 14
+all-gathers per step, 0.88x the ZeRO-3 theory's bytes). The version counters are both the
 DTensor's and its local tensor's: an in-place update through the DTensor bumps only the
 first, the local optimizer step only the second. A unit with a custom all-gather, an all-gather
 extension, an int ``reshard_after_forward`` copy or CPU offload always gathers
@@ -57,7 +61,7 @@ __all__ = ["HostBufferPool"]
 class HostBufferPool:
     """Freed CPU storages kept for the next same-size gather (see the Note above)."""
 
-    def __init__(self, device: torch.device, capacity: int = 2) -> None:
+    def __init__(self, device: torch.device, capacity: int = 3) -> None:
         # CUDA has its caching allocator; the swap is a private torch API (checked once).
         self.enabled = device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
         self.capacity = capacity
