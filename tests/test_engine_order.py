@@ -161,6 +161,11 @@ def _clamp_weight(module: torch.nn.Module, args: object) -> None:
         module.up.weight.clamp_(-0.05, 0.05)
 
 
+def _touch_down_weight(module: torch.nn.Module, args: object) -> None:
+    with torch.no_grad():  # bumps the version counter; the values stay
+        module.weight.mul_(1.0)
+
+
 def _stale_copies() -> dict[str, object]:
     """[Note: taking back a unit's own gathered memory]: a pooled copy is taken back only while
     it is what a gather would bring. Each case changes blocks.2 between its forward and its
@@ -178,6 +183,9 @@ def _stale_copies() -> dict[str, object]:
         block = model.blocks[2]
         if change == "unsharded":  # writes into the gathered parameter during forward
             block.register_forward_pre_hook(_clamp_weight)  # after the unit's own (gather)
+        if change == "sibling":  # writes into down.weight after up.weight was saved for backward
+            # ([Note: one version counter per unsharded parameter]: up's backward still runs)
+            block.down.register_forward_pre_hook(_touch_down_weight)
         loss = loss_fn(model(x), y)
         if change == "shard":  # an in-place update of the shard between forward and backward
             with torch.no_grad():
@@ -187,12 +195,17 @@ def _stale_copies() -> dict[str, object]:
         reused = sorted(e.unit for e in log if e.kind == "gather_issue" and e.detail == "reused")
         return reused, [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
 
+    def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
     out: dict[str, object] = {}
-    for change in ("none", "shard", "unsharded"):
+    runs = {}
+    for change in ("none", "shard", "unsharded", "sibling"):
         reused, grads = run(change, pool=True)
         plain_reused, plain = run(change, pool=False)
-        same = len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
-        out[change] = (reused, plain_reused, same)
+        out[change] = (reused, plain_reused, equal(grads, plain))
+        runs[change] = grads
+    out["sibling as none"] = equal(runs["sibling"], runs["none"])  # mul_(1.0) changes nothing
     return out
 
 
@@ -244,9 +257,11 @@ def test_cpu_offload_moves_shards_and_gradients(results) -> None:
 
 def test_stale_pooled_copy_is_gathered_again(results) -> None:
     for r in results:
-        for change, (reused, plain_reused, same) in r["stale"].items():
+        stale = dict(r["stale"])
+        assert stale.pop("sibling as none")
+        for change, (reused, plain_reused, same) in stale.items():
             assert plain_reused == [], change  # no pool, nothing to take back
             assert same, f"{change}: gradients differ from the engine without a pool"
             # unchanged, blocks.2 regathers from its pooled memory (the root keeps its own
-            # under None); a changed shard or a write into the gathered parameter: it gathers
+            # under None); a changed shard or a write into a gathered parameter: it gathers
             assert ("blocks.2" in reused) == (change == "none"), (change, reused)

@@ -116,7 +116,8 @@ class ParamGroup:
         self.post_forward_chunk: torch.Tensor | None = None  # 1D [world/k * total]
         self._gather: PendingGather | None = None  # the all-gather in flight
         self.unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
-        self._gathered_version = -1  # the buffer's version counter when its gather finished
+        # the unsharded parameters' version counters when the gather finished
+        self._gathered_versions: tuple[int, ...] = ()
         self._grads_seen = 0
         self._grads_expected = 0  # trainable parameters (set by init_layout)
         # (id, dtype) of the params the layout was built for
@@ -207,7 +208,10 @@ class ParamGroup:
             )
             self._regions = self._make_regions()
             for sp, region in zip(self.layout, self._regions):
-                self._make_unsharded(sp, sp.unsharded_view(region), on_grad_accumulated)
+                # ``.data``: a version counter of its own (see [Note: one version counter per
+                # unsharded parameter])
+                view = sp.unsharded_view(region).data
+                self._make_unsharded(sp, view, on_grad_accumulated)
         self._release()
         self._layout_key = key
 
@@ -242,6 +246,15 @@ class ParamGroup:
         own = by_mesh.pop(_ranks(self.info), [])
         return own, list(by_mesh.values())
 
+    # [Note: one version counter per unsharded parameter]
+    # A unit's unsharded parameters are views of its one buffer, and views share their base's
+    # version counter: an in-place write to one (a forward pre-hook clamping a weight under
+    # no_grad, nn.Embedding's max_norm) would bump them all, and autograd would then refuse
+    # the backward of every other parameter of the unit saved before the write ("modified by
+    # an inplace operation"), where FSDP2, whose unsharded parameters are separate tensors,
+    # runs. So each is made from its view's ``.data``: the same memory, its own counter. A
+    # write into one bumps only its own, which is also how a unit tells that its pooled
+    # memory no longer holds its gather ([Note: taking back a unit's own gathered memory]).
     @staticmethod
     def _make_unsharded(
         sp: ShardedParam, data: torch.Tensor, on_grad_accumulated: Callable[[ShardedParam], None]
@@ -378,7 +391,7 @@ class ParamGroup:
         if (
             buf is None
             or self.state is not ShardedState.UNSHARDED  # a gather in flight never finished
-            or buf._version != self._gathered_version  # someone wrote into the parameters
+            or self._unsharded_versions() != self._gathered_versions  # a write into them
             or self.overrides.all_gather is not None  # a custom comm sees every gather
             or self.extended is not None
             or self.post_forward_group is not None
@@ -387,6 +400,11 @@ class ParamGroup:
             return None
         shards = self._shard_tensors()
         return _Content(self, shards, tuple(t._version for t in shards))
+
+    def _unsharded_versions(self) -> tuple[int, ...]:
+        return tuple(
+            sp.unsharded_param._version for sp in self.layout if sp.unsharded_param is not None
+        )
 
     def _shard_tensors(self) -> tuple[torch.Tensor, ...]:
         """Each parameter's DTensor and its local tensor (an in-place update bumps the version
@@ -467,8 +485,7 @@ class ParamGroup:
             child.wait_for_unshard()
         for sp in self.own_params:
             sp.to_unsharded()
-        if self.unsharded_buf is not None:
-            self._gathered_version = self.unsharded_buf._version
+        self._gathered_versions = self._unsharded_versions()
         self._to(ShardedState.UNSHARDED)
 
     # ---------------------------------------------------------------------------- reshard
