@@ -22,10 +22,10 @@ bytes), and the root's and the last two units' survive the loss to be taken by t
 gathers of backward (their own: the root's, the last unit's and its backward prefetch). Those
 bytes would be allocated again right at the start of backward, where the prefetched unit is
 held anyway, so on the benchmarks' configurations peak RSS does not change; only where the
-loss itself is the peak (a large vocabulary's logits) do they add to it. In backward, unit ``i``'s is
-taken by unit ``i - 2``'s prefetch, and the last two units of backward free theirs (a pooled
-buffer there would sit beside the gradients of every unit, measured +8 MiB peak RSS on
-``memory`` at N = 2). The root's context also empties it when a forward begins, when a
+loss itself is the peak (a large vocabulary's logits) do they add to it. In backward, unit
+``i``'s is taken by unit ``i - 2``'s prefetch, and the last two units of backward free theirs
+(a pooled buffer there would sit beside the gradients of every unit, measured +8 MiB peak RSS
+on ``memory`` at N = 2). The root's context also empties it when a forward begins, when a
 backward ends (the optimizer step runs with no pooled memory) and when a forward runs without
 gradients. Pooled bytes are not
 tensor bytes (``unsharded_bytes_allocated`` and the memory tracker do not see them): like a
@@ -33,8 +33,8 @@ caching allocator's reserve they show in RSS only.
 
 [Note: taking back a unit's own gathered memory]
 A pooled buffer still holds what it held when its unit freed it. Between forward and backward
-the root's and the last two units' buffers wait in the pool for their own backward gathers; if the
-unit's shards have not changed since (the same shard tensors at the same version counters)
+the root's and the last two units' buffers wait in the pool for their own backward gathers; if
+the unit's shards have not changed since (the same shard tensors at the same version counters)
 and nothing wrote into the gathered parameters, those buffers already hold exactly what a
 gather would bring. So ``put`` records a *content* token with the buffer, and a unit's gather
 first tries ``reclaim``: its own memory back, with the same token, in place of the all-gather —
