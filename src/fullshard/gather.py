@@ -124,19 +124,18 @@ def _gather_in_pieces(g: ParamGroup) -> PendingGather:
     buf = g.unsharded_buf
     assert buf is not None
     me = g.info.shard_rank
-    with torch.autograd._unsafe_preserve_version_counter(buf):
-        _allocate(g, buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
-        regions = g.regions()
-        with g.streams.use("gather"):
-            for sp, region in zip(g.layout, regions):
-                sp.copy_local_into(region[me])
-            pieces = [
-                [sp.rank_piece(region[r], r) for sp, region in zip(g.layout, regions)]
-                for r in range(g.world)
-            ]
-            nbytes = buf.numel() * buf.element_size()
-            what = f"unit {g.name!r}"
-            handle = C.all_gather_pieces(pieces, g.info.shard_group, nbytes=nbytes, what=what)
+    _allocate(g, buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
+    regions = g.regions()
+    with g.streams.use("gather"):
+        for sp, region in zip(g.layout, regions):
+            sp.copy_local_into(region[me])
+        pieces = [
+            [sp.rank_piece(region[r], r) for sp, region in zip(g.layout, regions)]
+            for r in range(g.world)
+        ]
+        nbytes = buf.numel() * buf.element_size()
+        what = f"unit {g.name!r}"
+        handle = C.all_gather_pieces(pieces, g.info.shard_group, nbytes=nbytes, what=what)
     return PendingGather(handle, None, None)
 
 
@@ -161,9 +160,10 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
     if pending.packed is None:  # gathered in pieces: already in place
         _copy_out(g)
         return
-    # Refilling the buffer is not a mutation autograd must see: saved views hold the same
-    # values they had when saved (see [Note: why storage is resized, not freed]).
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+    # Refilling the buffer bumps no parameter's version counter (each has its own: [Note: one
+    # version counter per unsharded parameter] in fullshard.group), as the saved views hold
+    # the values they had when saved ([Note: why storage is resized, not freed]).
+    with torch.no_grad():
         _allocate(g, buf)
         sizes = [sp.shard_numel for sp in g.layout]
         torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())
