@@ -153,6 +153,8 @@ def _knobs() -> dict[str, object]:
         )
     out["copies"] = copies
     out["stale"] = _stale_copies()
+    for transport in ("packed", "p2p"):
+        out[f"lent {transport}"] = [_lent_memory(transport, lends) for lends in (True, False)]
     return out
 
 
@@ -206,6 +208,62 @@ def _stale_copies() -> dict[str, object]:
         out[change] = (reused, plain_reused, equal(grads, plain))
         runs[change] = grads
     out["sibling as none"] = equal(runs["sibling"], runs["none"])  # mul_(1.0) changes nothing
+    return out
+
+
+def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
+    """[Note: gradient memory lent for the next forward]: equal blocks, so that two blocks'
+    gradient shards fill one block's unsharded buffer on 2 ranks. Runs a fixed script of steps
+    (gradients set to None, kept by the user, zeroed in place, accumulated over two backwards)
+    with the pool lending (``lends``) or not; the two runs must train the same."""
+    import torch.nn.functional as F
+
+    from fullshard import fully_shard
+    from fullshard.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=4, d_model=16, n_head=2))
+    for block in model.blocks:
+        fully_shard(block, comm_policy=CommPolicy(transport=transport))
+    fully_shard(model, comm_policy=CommPolicy(transport=transport))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    data = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(6)]
+
+    def forward_backward(i: int) -> None:
+        logits = model(data[i])
+        F.cross_entropy(logits.flatten(0, 1), data[i].flatten()).backward()
+
+    forward_backward(0)  # lazy init: the pool exists from here on
+    model.__dict__[STATE_ATTR].ctx.pool.lends = lends
+    opt.step()
+    opt.zero_grad()
+    forward_backward(1)  # plans and lends slabs to its last reductions
+    opt.step()
+    opt.zero_grad()  # the gradients go: the slabs are free for the next forward's gathers
+    with record_events() as log:
+        forward_backward(2)
+    first_backward = _index(log, "backward_start", "GPT (root)")
+    out: dict[str, object] = {
+        "fresh in forward": [
+            e.unit
+            for e in log[:first_backward]
+            if e.kind == "unshard_alloc" and e.detail == "fresh"
+        ]
+    }
+    held = [p.grad for p in model.parameters()]  # the user keeps the gradients
+    snapshot = [g.clone() for g in held]
+    opt.step()
+    opt.zero_grad()
+    forward_backward(3)
+    out["held gradients intact"] = all(torch.equal(a, b) for a, b in zip(held, snapshot))
+    del held
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # zeroed in place: still the gradients' memory
+    forward_backward(4)
+    forward_backward(5)  # two backwards accumulate
+    opt.step()
+    out["params"] = [p.full_tensor() for p in model.parameters()]
     return out
 
 
@@ -265,3 +323,20 @@ def test_stale_pooled_copy_is_gathered_again(results) -> None:
             # unchanged, blocks.2 regathers from its pooled memory (the root keeps its own
             # under None); a changed shard or a write into a gathered parameter: it gathers
             assert ("blocks.2" in reused) == (change == "none"), (change, reused)
+
+
+def test_gradient_memory_lent_for_the_next_forward(results) -> None:
+    for r in results:
+        for transport in ("packed", "p2p"):
+            lent, plain = r[f"lent {transport}"]
+            # the forward's first block gathers take the memory the last gradients freed
+            # (only the root allocates); without lending, blocks.0 allocates, and so does
+            # blocks.1 in pieces (a packed gather allocates when it is waited on, by when
+            # blocks.0's forward has freed its memory)
+            first = ["blocks.0"] if transport == "packed" else ["blocks.0", "blocks.1"]
+            assert [u for u in lent["fresh in forward"] if u.startswith("blocks")] == []
+            assert [u for u in plain["fresh in forward"] if u.startswith("blocks")] == first
+            # memory a gradient still uses is never taken: kept, zeroed in place, accumulated
+            assert lent["held gradients intact"] and plain["held gradients intact"]
+            for a, b in zip(lent["params"], plain["params"], strict=True):
+                assert torch.equal(a, b), transport

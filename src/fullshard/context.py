@@ -53,6 +53,8 @@ class StepContext:
         self._forward_seen: set[FSDPState] = set()  # the units in forward_order
         self._prev_forward_index: dict[FSDPState, int] = {}  # unit -> its index there
         self._post_forward_index: dict[FSDPState, int] | None = None  # None: rebuild
+        # Which units open a gradient slab this step (see _plan_slabs); None: not planned yet.
+        self._slab_plan: dict[FSDPState, int] | None = None
         self.pending: list[PendingReduce] = []
         self.max_pending = 1  # reductions allowed in flight (see update_max_pending)
         self.update_max_pending()
@@ -65,14 +67,19 @@ class StepContext:
         if self.forward_order:
             self.prev_forward_order = self.forward_order
             self._prev_forward_index = {st: i for i, st in enumerate(self.forward_order)}
+        # The units whose gathers come first in this forward (the last one's order), before
+        # any unit frees memory: gradient memory set free since may serve them.
+        first = [st.group.unsharded_nbytes() for st in self.forward_order[: self.pool.capacity]]
         self._clear_orders()
         self.pool.clear()  # kept since a forward that had no backward
+        self.pool.adopt_returned(first)  # [Note: gradient memory lent for the next forward]
 
     def _clear_orders(self) -> None:
         self.forward_order = []
         self._forward_seen = set()
         self.post_forward_order = []
         self._post_forward_index = None
+        self._slab_plan = None
 
     def record_forward(self, state: FSDPState) -> None:
         if state not in self._forward_seen:
@@ -110,6 +117,53 @@ class StepContext:
         return []
 
     # -------------------------------------------------------------------------- backward
+    def slab_to_start(self, state: FSDPState) -> int:
+        """Bytes of the slab ``state``'s reduction opens for its and the next units' outputs
+        (0: none); see [Note: gradient memory lent for the next forward] in ``fullshard.pool``."""
+        if self._slab_plan is None:
+            self._slab_plan = self._plan_slabs()
+        return self._slab_plan.get(state, 0)
+
+    def _plan_slabs(self) -> dict[FSDPState, int]:
+        """Which units open a slab, and of what size.
+
+        The next forward's first gathers (the sizes of the first ``pool.capacity`` units of
+        this forward) allocate before any unit frees memory. Walking the reductions from the
+        last one back, each run of consecutive units whose outputs fill one of those sizes
+        exactly shares a slab, opened by the run's first unit: the units reduced last, so
+        that no output is allocated long before its reduction.
+        """
+        if not self.pool.lends:
+            return {}
+        first = self.forward_order[: self.pool.capacity]
+        wanted = [n for n in (st.group.unsharded_nbytes() for st in first) if n]
+        # Reductions run in reverse post-forward order, except the root's: its gradients
+        # (the embedding's) come last.
+        order = [st for st in reversed(self.post_forward_order) if st is not self.root]
+        if self.root in self._post_index():
+            order.append(self.root)
+        sizes = [st.group.reduce_output_nbytes() for st in order]
+        plan: dict[FSDPState, int] = {}
+        end = len(order)
+        while end > 0 and wanted:
+            total, found = 0, -1
+            for start in range(end - 1, -1, -1):
+                if not sizes[start]:
+                    break
+                total += sizes[start]
+                if total in wanted:
+                    found = start
+                    break
+                if total > max(wanted):
+                    break
+            if found < 0:
+                end -= 1
+                continue
+            plan[order[found]] = total
+            wanted.remove(total)
+            end = found
+        return plan
+
     def ensure_end_of_backward_callback(self) -> None:
         """Queue :meth:`finish_backward` on the autograd engine (once per backward).
 
@@ -159,6 +213,7 @@ class StepContext:
             st.group.finish_backward()
             st.training_state = TrainingState.IDLE
         self.pool.clear()  # the optimizer step runs with no pooled memory
+        self.pool.release_unused_slabs()
         self.callback_queued = False
 
     def reset_iter_state(self) -> None:
@@ -178,7 +233,7 @@ class StepContext:
             st._post_forward_calls = 0
         self.streams.wait_host_copies()
         self._clear_orders()
-        self.pool.clear()
+        self.pool.forget()
         self.callback_queued = False
 
     # ------------------------------------------------------------------------- subgroups

@@ -367,16 +367,19 @@ class ParamGroup:
         buf = self.unsharded_buf
         return 0 if buf is None else buf.numel() * buf.element_size()
 
-    def _release(self, recycle: bool = False) -> None:
+    def _release(self, recycle: bool = False, lend: bool = False) -> None:
         """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes; with
         ``recycle``, its memory goes to the pool for the next gather ([Note: recycling
-        unsharded buffers] in ``fullshard.pool``)."""
+        unsharded buffers] in ``fullshard.pool``); with ``lend``, it becomes the slab for the
+        next reduce-scatter outputs ([Note: gradient memory lent for the next forward])."""
         if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
             return
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
             if recycle:
                 self.pool.put(storage, self._content())
+            elif lend and storage.nbytes() == self.unsharded_nbytes():
+                self.pool.start_slab(storage, storage.nbytes())
             else:
                 storage.resize_(0)
         for sp in self.layout:
@@ -489,11 +492,13 @@ class ParamGroup:
         self._to(ShardedState.UNSHARDED)
 
     # ---------------------------------------------------------------------------- reshard
-    def reshard(self, recycle: bool = False) -> None:
+    def reshard(self, recycle: bool = False, lend: bool = False) -> None:
         """Free the unsharded parameters (and any kept copy); register the sharded ones.
 
         ``recycle``: the engine's own reshards in forward and backward keep the memory for the
-        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.pool``)."""
+        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.pool``).
+        ``lend``: the memory becomes the slab for the next reduce-scatter outputs ([Note:
+        gradient memory lent for the next forward] in ``fullshard.pool``)."""
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             if self._gather is not None:
                 self._gather.handle.wait()
@@ -504,15 +509,15 @@ class ParamGroup:
         for child in self.subgroups:
             child.reshard(recycle)
         if self.state is not ShardedState.SHARDED:
-            self._free_unsharded(ShardedState.SHARDED, recycle)
+            self._free_unsharded(ShardedState.SHARDED, recycle, lend)
         else:
             self._release()
 
-    def _free_unsharded(self, new: ShardedState, recycle: bool = False) -> None:
+    def _free_unsharded(self, new: ShardedState, recycle: bool = False, lend: bool = False) -> None:
         if self.state is ShardedState.UNSHARDED:
             for sp in self.own_params:
                 sp.to_sharded()
-        self._release(recycle)  # also a gather in pieces never waited on
+        self._release(recycle, lend)  # also a gather in pieces never waited on
         self._to(new)
 
     def reshard_partial(self) -> None:
@@ -548,9 +553,26 @@ class ParamGroup:
             return False
         return self._grads_seen == self._grads_expected
 
-    def reduce_grads(self, recycle: bool = False) -> list[PendingReduce]:
+    def reduce_output_nbytes(self) -> int:
+        """Bytes of the reduce-scatter output this unit's backward allocates (every parameter
+        with a gradient), or 0 where it allocates none the pool may provide (see [Note:
+        gradient memory lent for the next forward] in ``fullshard.pool``)."""
+        if (
+            self.transport.local
+            or self.world == 1
+            or self.subgroups
+            or self.offloaded
+            or self.overrides.reduce_scatter is not None
+        ):
+            return 0
+        numel = sum(sp.shard_numel for sp in self.own_params if sp.requires_grad)
+        return numel * self.wire_reduce_dtype().itemsize if numel else 0
+
+    def reduce_grads(self, recycle: bool = False, slab: int = 0) -> list[PendingReduce]:
         """Post-backward: take the gradients, reshard (``recycle``: see :meth:`reshard`),
-        then reduce-scatter them.
+        then reduce-scatter them. ``slab``: open a slab of that many bytes for this and the
+        next units' reduce-scatter outputs first (the unit's own freed buffer when it is that
+        size and no gather takes it; [Note: gradient memory lent for the next forward]).
 
         Returns the reductions in flight, one per group with gradients (this one and any
         child on another mesh); none while gradient sync is off, in which case gradients
@@ -561,8 +583,12 @@ class ParamGroup:
             for knob in _SHARED_KNOBS:
                 setattr(child, knob, getattr(self, knob))
         ready = [(g, collect_grads(g)) for g in groups]
+        lend = bool(slab) and not recycle and slab == self.unsharded_nbytes()
+        started = self.pool.slabs_started
         if self.reshard_after_backward:
-            self.reshard(recycle)
+            self.reshard(recycle, lend)
+        if slab and self.pool.slabs_started == started:  # nothing lent: fresh memory
+            self.pool.start_slab(None, slab)
         pending = []
         for g, grads in ready:
             if not grads:

@@ -205,7 +205,11 @@ class FSDPState:
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
         ctx.make_room()
-        ctx.add_pending(self.group.reduce_grads(recycle=self._recycles_in_backward(ctx)))
+        ctx.add_pending(
+            self.group.reduce_grads(
+                recycle=self._recycles_in_backward(ctx), slab=ctx.slab_to_start(self)
+            )
+        )
         self.training_state = TrainingState.POST_BACKWARD
 
     # --------------------------------------------------------------------------- helpers

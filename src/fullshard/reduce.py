@@ -265,7 +265,12 @@ def _reduce_packed(
     if pre != 1.0:
         send.div_(pre)
     # One rank: the packed buffer already is the result (no copy, no second buffer).
-    out = send.view(-1) if world == 1 else allocate(comm, total, dtype, g.device)
+    if world == 1:
+        out = send.view(-1)
+    else:
+        out = (
+            allocate(comm, total, dtype, g.device) if comm is not None else _output(g, total, dtype)
+        )
     with g.streams.use("reduce"):
         handle = C.reduce_scatter(out, send.view(-1), g.reduce_group, what=what, comm=comm)
     return handle, out, send
@@ -281,7 +286,7 @@ def _reduce_in_pieces(
     what: str,
 ) -> tuple[C.Handle, torch.Tensor, object]:
     """Reduce-scatter straight from the gradients (see [Note: reducing in pieces])."""
-    out = torch.empty(total, dtype=dtype, device=g.device)
+    out = _output(g, total, dtype)
     for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
         if sp.local_numel < sp.shard_numel:
             out[o + sp.local_numel : o + sp.shard_numel].zero_()
@@ -293,6 +298,14 @@ def _reduce_in_pieces(
     with g.streams.use("reduce"):
         handle = C.reduce_scatter_pieces(pieces, outputs, g.reduce_group, nbytes=nbytes, what=what)
     return handle, out, flats
+
+
+def _output(g: ParamGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The reduce-scatter output (it becomes the gradient shards): carved from the pool's
+    open slab where there is one ([Note: gradient memory lent for the next forward] in
+    ``fullshard.pool``), else fresh."""
+    out = None if g.offloaded else g.pool.grad_output(numel, dtype)
+    return out if out is not None else torch.empty(numel, dtype=dtype, device=g.device)
 
 
 def hand_out_local(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
