@@ -11,7 +11,9 @@ with the other modes' steps around it: the median of the per-step ratios resolve
 
 Modes: ``fullshard`` (as ``fullshard bench`` runs it: AdamW on the local shards),
 ``fs-dtensor-step`` (AdamW on the DTensors), ``fs-rs2`` (two reductions in flight:
-``set_reduce_scatter_max_input_buffers(2)``), ``fsdp2`` (torch FSDP2) and ``ddp`` (torch DDP).
+``set_reduce_scatter_max_input_buffers(2)``), ``fs-no-lend`` (the CPU pool lends no gradient
+memory: [Note: gradient memory lent for the next forward] in ``fullshard.pool``), ``fsdp2``
+(torch FSDP2) and ``ddp`` (torch DDP).
 Each step is timed on every rank and the slower rank's time is kept. Prints each mode's
 median step time, the median per-step ratio of every mode to the last one named, and the
 last step's loss of each (the same data and seed: expect equal losses).
@@ -33,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from fullshard.bench.configs import BenchConfig, get_config
+from fullshard.hooks import STATE_ATTR
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.testing import run_distributed
 
@@ -41,6 +44,7 @@ MODES = {
     "fullshard": ("fullshard", True),
     "fs-dtensor-step": ("fullshard", False),
     "fs-rs2": ("fullshard", True),  # set_reduce_scatter_max_input_buffers(2)
+    "fs-no-lend": ("fullshard", True),  # pool.lends = False once lazy init made the pool
     "fsdp2": ("fsdp2", True),
     "ddp": ("ddp", True),
 }
@@ -76,6 +80,8 @@ def interleaved_rank(
         for m in modes if step % 2 == 0 else modes[::-1]:
             t0 = time.perf_counter()
             logits = nets[m](x)
+            if step == 0 and m == "fs-no-lend":  # before the first backward plans any slab
+                nets[m].__dict__[STATE_ATTR]._context().pool.lends = False
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
             loss.backward()
             opts[m].step()

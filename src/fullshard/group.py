@@ -555,8 +555,9 @@ class ParamGroup:
 
     def reduce_output_nbytes(self) -> int:
         """Bytes of the reduce-scatter output this unit's backward allocates (every parameter
-        with a gradient), or 0 where it allocates none the pool may provide (see [Note:
-        gradient memory lent for the next forward] in ``fullshard.pool``)."""
+        with a gradient), or 0 where it allocates none that becomes the gradients and so none
+        the pool lends (see [Note: gradient memory lent for the next forward] in
+        ``fullshard.pool``)."""
         if (
             self.transport.local
             or self.world == 1
@@ -565,8 +566,15 @@ class ParamGroup:
             or self.overrides.reduce_scatter is not None
         ):
             return 0
-        numel = sum(sp.shard_numel for sp in self.own_params if sp.requires_grad)
-        return numel * self.wire_reduce_dtype().itemsize if numel else 0
+        grads = [sp for sp in self.own_params if sp.requires_grad]
+        if not grads:
+            return 0
+        dtype = self.wire_reduce_dtype()
+        # Outputs that become the gradient shards as they are: not cast to the parameter's
+        # dtype, not added into gradients that already exist (then they are temporaries).
+        if any(sp.orig_dtype != dtype or sp.sharded_param.grad is not None for sp in grads):
+            return 0
+        return sum(sp.shard_numel for sp in grads) * dtype.itemsize
 
     def reduce_grads(self, recycle: bool = False, slab: int = 0) -> list[PendingReduce]:
         """Post-backward: take the gradients, reshard (``recycle``: see :meth:`reshard`),

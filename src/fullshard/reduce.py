@@ -304,7 +304,7 @@ def _output(g: ParamGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter output (it becomes the gradient shards): carved from the pool's
     open slab where there is one ([Note: gradient memory lent for the next forward] in
     ``fullshard.pool``), else fresh."""
-    out = None if g.offloaded else g.pool.grad_output(numel, dtype)
+    out = g.pool.grad_output(numel, dtype) if g.reduce_output_nbytes() else None
     return out if out is not None else torch.empty(numel, dtype=dtype, device=g.device)
 
 
