@@ -264,6 +264,12 @@ def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
     forward_backward(5)  # two backwards accumulate
     opt.step()
     out["params"] = [p.full_tensor() for p in model.parameters()]
+    opt.zero_grad()
+    pool = model.__dict__[STATE_ATTR].ctx.pool
+    before = pool.slabs_started
+    model.set_requires_gradient_sync(False)  # nothing is reduced: nothing may be lent
+    forward_backward(0)
+    out["slabs without sync"] = pool.slabs_started - before
     return out
 
 
@@ -338,5 +344,6 @@ def test_gradient_memory_lent_for_the_next_forward(results) -> None:
             assert [u for u in plain["fresh in forward"] if u.startswith("blocks")] == first
             # memory a gradient still uses is never taken: kept, zeroed in place, accumulated
             assert lent["held gradients intact"] and plain["held gradients intact"]
+            assert lent["slabs without sync"] == plain["slabs without sync"] == 0
             for a, b in zip(lent["params"], plain["params"], strict=True):
                 assert torch.equal(a, b), transport

@@ -560,6 +560,7 @@ class ParamGroup:
         ``fullshard.pool``)."""
         if (
             self.transport.local
+            or not self.requires_gradient_sync
             or self.world == 1
             or self.subgroups
             or self.offloaded
@@ -591,6 +592,8 @@ class ParamGroup:
             for knob in _SHARED_KNOBS:
                 setattr(child, knob, getattr(self, knob))
         ready = [(g, collect_grads(g)) for g in groups]
+        if not ready[0][1]:  # nothing to reduce (gradient sync off, no gradients): no slab
+            slab = 0
         lend = bool(slab) and not recycle and slab == self.unsharded_nbytes()
         started = self.pool.slabs_started
         if self.reshard_after_backward:
