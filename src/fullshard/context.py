@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .events import emit
 from .pool import HostBufferPool
-from .reduce import PendingReduce
+from .reduce import PendingReduce, lendable_output_nbytes
 from .state import TrainingState
 from .streams import CommStreams
 
@@ -142,7 +142,7 @@ class StepContext:
         order = [st for st in reversed(self.post_forward_order) if st is not self.root]
         if self.root in self._post_index():
             order.append(self.root)
-        sizes = [st.group.reduce_output_nbytes() for st in order]
+        sizes = [lendable_output_nbytes(st.group) for st in order]
         plan: dict[FSDPState, int] = {}
         end = len(order)
         while end > 0 and wanted:

@@ -496,9 +496,8 @@ class ParamGroup:
         """Free the unsharded parameters (and any kept copy); register the sharded ones.
 
         ``recycle``: the engine's own reshards in forward and backward keep the memory for the
-        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.pool``).
-        ``lend``: the memory becomes the slab for the next reduce-scatter outputs ([Note:
-        gradient memory lent for the next forward] in ``fullshard.pool``)."""
+        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.pool``);
+        ``lend``: see :meth:`_release`."""
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             if self._gather is not None:
                 self._gather.handle.wait()
@@ -553,35 +552,10 @@ class ParamGroup:
             return False
         return self._grads_seen == self._grads_expected
 
-    def reduce_output_nbytes(self) -> int:
-        """Bytes of the reduce-scatter output this unit's backward allocates (every parameter
-        with a gradient), or 0 where it allocates none that becomes the gradients and so none
-        the pool lends (see [Note: gradient memory lent for the next forward] in
-        ``fullshard.pool``)."""
-        if (
-            self.transport.local
-            or not self.requires_gradient_sync
-            or self.world == 1
-            or self.subgroups
-            or self.offloaded
-            or self.overrides.reduce_scatter is not None
-        ):
-            return 0
-        grads = [sp for sp in self.own_params if sp.requires_grad]
-        if not grads:
-            return 0
-        dtype = self.wire_reduce_dtype()
-        # Outputs that become the gradient shards as they are: not cast to the parameter's
-        # dtype, not added into gradients that already exist (then they are temporaries).
-        if any(sp.orig_dtype != dtype or sp.sharded_param.grad is not None for sp in grads):
-            return 0
-        return sum(sp.shard_numel for sp in grads) * dtype.itemsize
-
     def reduce_grads(self, recycle: bool = False, slab: int = 0) -> list[PendingReduce]:
         """Post-backward: take the gradients, reshard (``recycle``: see :meth:`reshard`),
-        then reduce-scatter them. ``slab``: open a slab of that many bytes for this and the
-        next units' reduce-scatter outputs first (the unit's own freed buffer when it is that
-        size and no gather takes it; [Note: gradient memory lent for the next forward]).
+        then reduce-scatter them. ``slab``: first open a slab of that many bytes for the
+        reduce-scatter outputs ([Note: gradient memory lent for the next forward]).
 
         Returns the reductions in flight, one per group with gradients (this one and any
         child on another mesh); none while gradient sync is off, in which case gradients
@@ -594,11 +568,12 @@ class ParamGroup:
         ready = [(g, collect_grads(g)) for g in groups]
         if not ready[0][1]:  # nothing to reduce (gradient sync off, no gradients): no slab
             slab = 0
-        lend = bool(slab) and not recycle and slab == self.unsharded_nbytes()
-        started = self.pool.slabs_started
+        # the unit's own freed buffer, where it is that size and no gather takes it
+        lend = bool(slab) and slab == self.unsharded_nbytes() and not recycle
+        lend = lend and self.reshard_after_backward
         if self.reshard_after_backward:
             self.reshard(recycle, lend)
-        if slab and self.pool.slabs_started == started:  # nothing lent: fresh memory
+        if slab and not lend:
             self.pool.start_slab(None, slab)
         pending = []
         for g, grads in ready:

@@ -53,7 +53,14 @@ if TYPE_CHECKING:
     from .group import ParamGroup
     from .streams import CommStreams
 
-__all__ = ["PartialReduce", "PendingReduce", "collect_grads", "hand_out_local", "start_reduce"]
+__all__ = [
+    "PartialReduce",
+    "PendingReduce",
+    "collect_grads",
+    "hand_out_local",
+    "lendable_output_nbytes",
+    "start_reduce",
+]
 
 
 @dataclass
@@ -300,11 +307,36 @@ def _reduce_in_pieces(
     return handle, out, flats
 
 
+def lendable_output_nbytes(g: ParamGroup) -> int:
+    """Bytes of the reduce-scatter output ``g``'s backward allocates (every parameter with a
+    gradient) when that output becomes the gradient shards as it is, else 0: the memory the
+    pool may lend it ([Note: gradient memory lent for the next forward] in ``fullshard.pool``).
+    """
+    if (
+        g.transport.local
+        or not g.requires_gradient_sync
+        or g.world == 1
+        or g.subgroups
+        or g.offloaded
+        or g.overrides.reduce_scatter is not None
+    ):
+        return 0
+    grads = [sp for sp in g.own_params if sp.requires_grad]
+    if not grads:
+        return 0
+    dtype = g.wire_reduce_dtype()
+    # not cast to the parameter's dtype, not added into gradients that already exist (then
+    # the outputs are temporaries)
+    if any(sp.orig_dtype != dtype or sp.sharded_param.grad is not None for sp in grads):
+        return 0
+    return sum(sp.shard_numel for sp in grads) * dtype.itemsize
+
+
 def _output(g: ParamGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter output (it becomes the gradient shards): carved from the pool's
     open slab where there is one ([Note: gradient memory lent for the next forward] in
     ``fullshard.pool``), else fresh."""
-    out = g.pool.grad_output(numel, dtype) if g.reduce_output_nbytes() else None
+    out = g.pool.grad_output(numel, dtype) if lendable_output_nbytes(g) else None
     return out if out is not None else torch.empty(numel, dtype=dtype, device=g.device)
 
 
