@@ -12,7 +12,6 @@ on the placement lives in :class:`~fullshard.param.ShardedParam`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from .mesh import MeshInfo
 from .overrides import CommOverrides
 from .param import ShardedParam
 from .policies import CommPolicy, MixedPrecisionPolicy
-from .pool import HostBufferPool
+from .pool import BufferContent, HostBufferPool
 from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
 from .state import ShardedState, transition
 from .streams import CommStreams
@@ -51,17 +50,6 @@ def _ranks(info: MeshInfo) -> tuple[tuple[int, ...], ...]:
 def _mesh_name(info: MeshInfo) -> str:
     names = info.mesh.mesh_dim_names
     return f"mesh {names}" if names else f"mesh {info.mesh.mesh.tolist()}"
-
-
-@dataclass(frozen=True, eq=False)
-class _Content:
-    """What a freed unsharded buffer holds: the gather of these shards (each parameter's
-    DTensor and local tensor) at these version counters ([Note: taking back a unit's own
-    gathered memory] in ``fullshard.pool``)."""
-
-    group: ParamGroup
-    shards: tuple[torch.Tensor, ...]
-    versions: tuple[int, ...]
 
 
 class ParamGroup:
@@ -387,7 +375,7 @@ class ParamGroup:
         if self.extended is not None:
             self.extended.release()
 
-    def _content(self) -> _Content | None:
+    def _content(self) -> BufferContent | None:
         """What the unsharded buffer holds, if a later gather of this unit may take it back
         instead of gathering ([Note: taking back a unit's own gathered memory])."""
         buf = self.unsharded_buf
@@ -402,7 +390,7 @@ class ParamGroup:
         ):
             return None
         shards = self._shard_tensors()
-        return _Content(self, shards, tuple(t._version for t in shards))
+        return BufferContent(self, shards, tuple(t._version for t in shards))
 
     def _unsharded_versions(self) -> tuple[int, ...]:
         return tuple(
@@ -416,7 +404,7 @@ class ParamGroup:
 
     def _holds_current(self, content: object) -> bool:
         """``content`` is this unit's gather of its current shards."""
-        if not isinstance(content, _Content) or content.group is not self:
+        if not isinstance(content, BufferContent) or content.group is not self:
             return False
         shards = self._shard_tensors()
         return len(shards) == len(content.shards) and all(

@@ -85,10 +85,22 @@ forward's block gathers recycled), and ~5% off ``comm``'s step (benchmarks/NOTES
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HostBufferPool"]
+__all__ = ["BufferContent", "HostBufferPool"]
+
+
+@dataclass(frozen=True, eq=False)
+class BufferContent:
+    """What a freed unsharded buffer holds: ``group``'s gather of these shards (each
+    parameter's DTensor and local tensor) at these version counters ([Note: taking back a
+    unit's own gathered memory])."""
+
+    group: object  # the ParamGroup (fullshard.group imports this module)
+    shards: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
 
 
 class HostBufferPool:
