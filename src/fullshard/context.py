@@ -67,9 +67,7 @@ class StepContext:
         if self.forward_order:
             self.prev_forward_order = self.forward_order
             self._prev_forward_index = {st: i for i, st in enumerate(self.forward_order)}
-        # The units whose gathers come first in this forward (the last one's order), before
-        # any unit frees memory: gradient memory set free since may serve them.
-        first = [st.group.unsharded_nbytes() for st in self.forward_order[: self.pool.capacity]]
+        first = self._first_gather_sizes()  # gradient memory set free since may serve them
         self._clear_orders()
         self.pool.clear()  # kept since a forward that had no backward
         self.pool.adopt_returned(first)  # [Note: gradient memory lent for the next forward]
@@ -117,6 +115,12 @@ class StepContext:
         return []
 
     # -------------------------------------------------------------------------- backward
+    def _first_gather_sizes(self) -> list[int]:
+        """Bytes of the first ``pool.capacity`` units' gathers in the last forward: the next
+        forward's, which allocate before any unit frees memory."""
+        sizes = (st.group.unsharded_nbytes() for st in self.forward_order[: self.pool.capacity])
+        return [n for n in sizes if n]
+
     def slab_to_start(self, state: FSDPState) -> int:
         """Bytes of the slab ``state``'s reduction opens for its and the next units' outputs
         (0: none); see [Note: gradient memory lent for the next forward] in ``fullshard.pool``."""
@@ -135,8 +139,7 @@ class StepContext:
         """
         if not self.pool.lends:
             return {}
-        first = self.forward_order[: self.pool.capacity]
-        wanted = [n for n in (st.group.unsharded_nbytes() for st in first) if n]
+        wanted = self._first_gather_sizes()
         # Reductions run in reverse post-forward order, except the root's: its gradients
         # (the embedding's) come last.
         order = [st for st in reversed(self.post_forward_order) if st is not self.root]

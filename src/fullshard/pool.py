@@ -119,7 +119,7 @@ class HostBufferPool:
         self._lent: list[torch.UntypedStorage] = []
         self._open: torch.UntypedStorage | None = None
         self._offset = 0
-        self.slabs_started = 0
+        self.slabs_started = 0  # a statistic (tests read it)
 
     def put(self, storage: torch.UntypedStorage, content: object = None) -> None:
         """Free ``storage`` (resize it to 0 bytes), keeping its memory for a later ``take``;
@@ -196,6 +196,11 @@ class HostBufferPool:
         self._lent.append(slab)
         self._open, self._offset = slab, 0
         self.slabs_started += 1
+
+    @property
+    def filling_slab(self) -> bool:
+        """A slab is open for reduce-scatter outputs."""
+        return self._open is not None
 
     def grad_output(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A 1-D ``dtype`` tensor of ``numel`` elements carved from the open slab, or ``None``

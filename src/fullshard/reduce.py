@@ -336,7 +336,8 @@ def _output(g: ParamGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter output (it becomes the gradient shards): carved from the pool's
     open slab where there is one ([Note: gradient memory lent for the next forward] in
     ``fullshard.pool``), else fresh."""
-    out = g.pool.grad_output(numel, dtype) if lendable_output_nbytes(g) else None
+    lendable = g.pool.filling_slab and lendable_output_nbytes(g)  # cheap test first
+    out = g.pool.grad_output(numel, dtype) if lendable else None
     return out if out is not None else torch.empty(numel, dtype=dtype, device=g.device)
 
 
