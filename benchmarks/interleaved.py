@@ -15,8 +15,10 @@ Modes: ``fullshard`` (as ``fullshard bench`` runs it: AdamW on the local shards)
 memory: [Note: gradient memory lent for the next forward] in ``fullshard.pool``), ``fsdp2``
 (torch FSDP2) and ``ddp`` (torch DDP).
 Each step is timed on every rank and the slower rank's time is kept. Prints each mode's
-median step time, the median per-step ratio of every mode to the last one named, and the
-last step's loss of each (the same data and seed: expect equal losses).
+median step time, the median per-step ratio of every mode to the last one named with its
+quartiles and a 95% bootstrap interval, and the last step's loss of each (the same data and
+seed: expect equal losses). ``--save FILE`` also writes the per-step times as JSON;
+``--pool FILE ...`` reports several saved invocations together.
 
 It measures time only. Memory needs a process of its own per mode: ``fullshard bench``.
 """
@@ -24,7 +26,9 @@ It measures time only. Memory needs a process of its own per mode: ``fullshard b
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -91,16 +95,61 @@ def interleaved_rank(
     return times, losses
 
 
+def median_ci(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``ratios`` (resampled with replacement; fixed
+    seed, so a rerun on the same numbers prints the same interval)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+def report(runs: list[dict[str, list[float]]], modes: list[str]) -> None:
+    """Print each mode's median step time and its per-step ratios to the last mode, pooled over
+    ``runs`` (each run's steps are compared with that run's own steps only)."""
+    base = modes[-1]
+    for m in modes:
+        times = [t for run in runs for t in run[m]]
+        ratios = [a / b for run in runs for a, b in zip(run[m], run[base])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        lo, hi = median_ci(ratios)
+        print(
+            f"{m:<16} {statistics.median(times):.3f} s/step  "
+            f"vs {base}: median per-step ratio {statistics.median(ratios):.3f} "
+            f"(quartiles {q1:.3f}-{q3:.3f}, 95% CI of the median {lo:.3f}-{hi:.3f}, "
+            f"{len(ratios)} steps)"
+        )
+
+
+def pool(files: list[Path]) -> int:
+    """Report the runs saved by ``--save`` together (they must name the same modes)."""
+    saved = [json.loads(f.read_text()) for f in files]
+    modes = list(saved[0]["per_step_s"])
+    for f, run in zip(files, saved):
+        if list(run["per_step_s"]) != modes:
+            sys.exit(f"{f}: modes {list(run['per_step_s'])}, expected {modes} (as {files[0]})")
+        print(run["command"])
+    report([run["per_step_s"] for run in saved], modes)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("modes", nargs="+", choices=sorted(MODES))
+    ap.add_argument("modes", nargs="*", help=f"two or more of {', '.join(MODES)}")
     ap.add_argument("--config", default="comm", help="a fullshard bench config (default comm)")
     ap.add_argument("--steps", type=int, default=40, help="steps per mode (default 40)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--save", type=Path, help="write the per-step times here (JSON)")
+    ap.add_argument(
+        "--pool", type=Path, nargs="+", help="run nothing: report these --save files together"
+    )
     args = ap.parse_args()
+    if args.pool:
+        return pool(args.pool)
     if len(set(args.modes)) != len(args.modes) or len(args.modes) < 2:
         ap.error("name at least two different modes")
+    if unknown := [m for m in args.modes if m not in MODES]:
+        ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
     cfg = get_config(args.config).replace(steps=args.steps, warmup=args.warmup)
     os.environ.update(MALLOC_ENV)  # as fullshard bench: freed buffers leave RSS
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -109,20 +158,15 @@ def main() -> int:
         m: [max(r[0][m][i] for r in ranks) for i in range(args.warmup, args.steps)]
         for m in args.modes
     }
-    print(
+    command = (
         f"python benchmarks/interleaved.py --config {args.config} --steps {args.steps} "
         f"--warmup {args.warmup} --nproc {args.nproc} {' '.join(args.modes)}"
     )
-    base = args.modes[-1]
-    for m in args.modes:
-        ratios = [a / b for a, b in zip(per_step[m], per_step[base])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
-        print(
-            f"{m:<16} {statistics.median(per_step[m]):.3f} s/step  "
-            f"vs {base}: median per-step ratio {statistics.median(ratios):.3f} "
-            f"(quartiles {q1:.3f}-{q3:.3f}, {len(ratios)} steps)  "
-            f"last loss {ranks[0][1][m][-1]:.6f}"
-        )
+    print(command)
+    if args.save is not None:
+        args.save.write_text(json.dumps({"command": command, "per_step_s": per_step}, indent=1))
+    report([per_step], args.modes)
+    print("last loss: " + ", ".join(f"{m} {ranks[0][1][m][-1]:.6f}" for m in args.modes))
     return 0
 
 
