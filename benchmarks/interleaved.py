@@ -145,6 +145,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     if args.pool:
+        if args.modes:
+            ap.error("--pool reports saved runs: name no modes")
         return pool(args.pool)
     if len(set(args.modes)) != len(args.modes) or len(args.modes) < 2:
         ap.error("name at least two different modes")
