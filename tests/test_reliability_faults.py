@@ -299,7 +299,7 @@ def test_bare_torchrun_does_not_retry_a_full_disk(corpus: Path, tmp_path: Path) 
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     errors = [line for line in proc.stderr.splitlines() if "fullshard train: error: " in line]
-    assert len(errors) == 2, out  # attempt 0: rank 1's; attempt 1: local rank 0's
+    assert len(errors) == 2, out  # attempt 0: rank 1's; attempt 1: the first rank to start
     first, again = errors
     assert first.startswith("fullshard train: error: No space left on device"), out
     assert again.endswith("(rank 1, attempt 0; not retried: it would fail the same way)"), out
@@ -317,6 +317,65 @@ def test_bare_torchrun_does_not_retry_a_full_disk(corpus: Path, tmp_path: Path) 
         True,
         seconds=round(seconds, 1),
     )
+
+
+def test_a_refused_restart_prints_its_line_once_and_never_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a restarted attempt that the stop marker refuses, exactly one rank per machine prints
+    the error line, and no rank exits before it is printed: torchrun's agent stops the whole
+    group at the first exit, so a rank exiting early could get the printer killed first (a CI
+    failure of the test above). The ranks here are this test's subprocesses: the marker is
+    keyed by their parent, this process."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from fullshard.train import failures
+
+    monkeypatch.setattr(os, "getppid", os.getpid)  # this process plays torchrun's agent
+    monkeypatch.delenv(failures.LAUNCHER_ENV, raising=False)
+    monkeypatch.delenv(failures.ATTEMPT_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{uuid.uuid4().hex}")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    failures.refuse_restarts("No space left on device (x)", rank=1)  # attempt 0 fails
+    marker = failures._stop_marker()
+    assert marker is not None and marker.exists()
+    announced = marker.with_name(f"{marker.name}.attempt1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    code = "import sys; from fullshard.train import failures as f; "
+    code += "sys.exit(f.exit_if_restart_refused())"
+
+    def rank(local_rank: int) -> subprocess.Popen[str]:
+        env = dict(os.environ, LOCAL_RANK=str(local_rank))
+        return subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+        )
+
+    try:
+        # Another rank has claimed the announcement and not printed yet: local rank 0 waits.
+        announced.touch()
+        waiting = rank(0)
+        time.sleep(1.0)
+        assert waiting.poll() is None, "a rank exited before the line was printed"
+        announced.write_text("printed\n")
+        _, err = waiting.communicate(timeout=30)
+        assert waiting.returncode == failures.FATAL_EXIT
+        assert err == "", err  # the other rank printed it
+        # Two ranks start together: one line in all, both exit with FATAL_EXIT.
+        announced.unlink()
+        ranks = [rank(0), rank(1)]
+        errs = [p.communicate(timeout=30)[1] for p in ranks]
+        assert [p.returncode for p in ranks] == [failures.FATAL_EXIT] * 2
+        lines = "".join(errs).splitlines()
+        assert lines == [
+            "fullshard train: error: No space left on device (x) (rank 1, attempt 0; not "
+            "retried: it would fail the same way)"
+        ], errs
+    finally:
+        for path in (marker, announced):
+            path.unlink(missing_ok=True)
 
 
 def test_fault_spec_parsing() -> None:

@@ -22,7 +22,11 @@ failure (``--max-restarts``); nothing a worker does changes that. So a rank that
 deterministically under a bare torchrun also leaves a *stop marker* for the next attempt, and
 each rank of a restarted attempt that finds one prints the one-line error again and exits
 with :data:`FATAL_EXIT` before any work (no model, data or checkpoint is touched; every
-remaining restart costs one interpreter start-up). The marker belongs to one torchrun
+remaining restart costs one interpreter start-up). One rank per machine prints that line: the
+first to find the marker, which claims the attempt's *announcement* file (``O_EXCL``) before
+printing. The others wait until it has printed before they exit: the agent stops the whole
+group as soon as any rank exits, so a rank that exited at once could get a slower one killed
+before its line was out (it was, on a loaded 2-core CI machine). The marker belongs to one torchrun
 invocation on one machine: it is keyed by the agent (the workers' parent process: its pid
 and start time, and ``TORCHELASTIC_RUN_ID``), so rerunning the same command after fixing the
 cause starts afresh. It lives in the machine's temporary directory, not the run directory,
@@ -231,15 +235,45 @@ def refuse_restarts(message: str, *, rank: int) -> None:
 
 
 def exit_if_restart_refused() -> int | None:
-    """:data:`FATAL_EXIT` after printing the one-line error (local rank 0) when
+    """:data:`FATAL_EXIT` after printing the one-line error (once per machine) when
     :func:`restart_refused`; ``None`` otherwise. Imports no torch: a refused attempt ends
     in a fraction of a second."""
     refused = restart_refused()
     if refused is None:
         return None
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"fullshard train: error: {refused}", file=sys.stderr, flush=True)
+    _announce_once(f"fullshard train: error: {refused}")
     return FATAL_EXIT
+
+
+def _announce_once(line: str, *, wait: float = 10.0) -> None:
+    """Print ``line`` from one rank of this attempt on this machine: the first to get here.
+    The others return once it is printed (or after ``wait`` seconds): see [Note: no restart
+    under a bare torchrun]."""
+    marker = _stop_marker()
+    if marker is None:  # not under torchrun: nobody else would print it
+        print(line, file=sys.stderr, flush=True)
+        return
+    announced = marker.with_name(f"{marker.name}.attempt{attempt_number()}")
+    try:
+        fd = os.open(announced, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:  # another rank prints it: wait until it has
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                if announced.stat().st_size > 0:
+                    return
+            except OSError:
+                return
+            time.sleep(0.01)
+        return
+    except OSError:  # cannot coordinate (temporary directory unwritable): print anyway
+        print(line, file=sys.stderr, flush=True)
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    finally:
+        os.write(fd, b"printed\n")
+        os.close(fd)
 
 
 def restart_refused() -> str | None:
