@@ -184,9 +184,8 @@ def _run_as_worker(cfg: TrainConfig) -> int:
     try:
         checks.commit(cfg, checks.validate(cfg, world_size=world, fresh_launch=fresh and rank == 0))
     except ConfigError as e:
-        if rank == 0:
-            print(f"fullshard train: error: {e}", file=sys.stderr)
         failures.refuse_restarts(" ".join(str(e).split()), rank=rank)
+        failures.report(f"fullshard train: error: {e}", once=True)  # one line, whichever rank
         return 2
     env = init_distributed(cfg)
     import torch.distributed as dist

@@ -13,26 +13,39 @@ The launcher (``fullshard train``, see launch.py) reads those records after the 
 stopped: a deterministic failure on any rank ends the job at once with one final
 ``fullshard train: error: ...`` line; anything else (a crash, a killed or hung rank) restarts
 the group, up to ``--max-restarts``. Under a bare ``torchrun`` the ranks print that line
-themselves (rank 0, or the failing rank), since no launcher reads the records, and the
+themselves (the failing rank, or for a deterministic failure the first rank to fail on
+each machine: one line, as the launcher prints), since no launcher reads the records, and the
 restarts that torchrun's agent makes anyway end at once: see [Note: no restart under a bare
 torchrun].
 
 [Note: no restart under a bare torchrun] torchrun's agent restarts the group after any
 failure (``--max-restarts``); nothing a worker does changes that. So a rank that fails
 deterministically under a bare torchrun also leaves a *stop marker* for the next attempt, and
-each rank of a restarted attempt that finds one prints the one-line error again and exits
-with :data:`FATAL_EXIT` before any work (no model, data or checkpoint is touched; every
-remaining restart costs one interpreter start-up). One rank per machine prints that line: the
-first to find the marker, which claims the attempt's *announcement* file (``O_EXCL``) before
-printing. The others wait until it has printed before they exit: the agent stops the whole
-group as soon as any rank exits, so a rank that exited at once could get a slower one killed
-before its line was out (it was, on a loaded 2-core CI machine). The marker belongs to one torchrun
-invocation on one machine: it is keyed by the agent (the workers' parent process: its pid
-and start time, and ``TORCHELASTIC_RUN_ID``), so rerunning the same command after fixing the
-cause starts afresh. It lives in the machine's temporary directory, not the run directory,
-so that a full disk or a read-only run directory cannot keep it from being written. On
-several machines each machine's ranks stop on their own machine's marker; the other
-machines' agents stop when the rendezvous closes, as for any failed node.
+each rank of a restarted attempt that finds one exits with :data:`FATAL_EXIT` before any work
+(no model, data or checkpoint is touched; every remaining restart costs one interpreter
+start-up), the one-line error printed again. The marker belongs to one torchrun invocation on
+one machine: it is keyed by the agent (the workers' parent process: its pid and start time,
+and ``TORCHELASTIC_RUN_ID``), so rerunning the same command after fixing the cause starts
+afresh. It lives in the machine's temporary directory, not the run directory, so that a full
+disk or a read-only run directory cannot keep it from being written. On several machines each
+machine's ranks stop on their own machine's marker; the other machines' agents stop when the
+rendezvous closes, as for any failed node.
+
+[Note: one report per failure] torchrun's agent stops the whole group as soon as any rank
+exits, so a rank that exits early can get another rank stopped before that rank has printed
+its line or written its record (it did, on a loaded 2-core CI machine: the restarted ranks'
+line went missing). Hence, per attempt and machine, two files beside the stop marker:
+
+- ``.line``: a deterministic failure's line (a full disk, a checkpoint that does not fit, a
+  refused restart) is one line for the whole machine, as the launcher prints one: the first
+  rank to get there claims the file (``O_EXCL``) and prints it; the others wait until it is
+  printed, then exit;
+- ``.reported``: made once a rank that failed first (not secondary) has logged, recorded and
+  printed; a secondary failure waits for it (5 s at most: the first failure may be on another
+  machine) before its rank exits.
+
+``fullshard train`` removes them once its group has stopped (:func:`remove_files`); under a
+bare torchrun they stay with the marker in the temporary directory (a few bytes each).
 
 A rank that fails only because another one did (a save that failed elsewhere, a checkpoint
 another rank could not read) is *secondary*: it never decides the outcome.
@@ -51,6 +64,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +76,7 @@ __all__ = [
     "Failure",
     "SecondaryFailure",
     "attempt_number",
+    "await_report",
     "classify",
     "describe_exit",
     "exit_if_restart_refused",
@@ -69,6 +84,8 @@ __all__ = [
     "rank_failed",
     "read_failures",
     "refuse_restarts",
+    "remove_files",
+    "report",
     "restart_refused",
 ]
 
@@ -180,6 +197,7 @@ def rank_failed(exc: BaseException, *, run_dir: Path, rank: int, launched: bool)
     logs = log_dir(run_dir)
     log = logs / f"rank_{rank}.log"
     record = asdict(failure) | {"rank": rank, "attempt": attempt, "time": time.time()}
+    line = None  # what this rank prints: only under a bare torchrun (no launcher reports)
     try:
         logs.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as f:
@@ -197,25 +215,52 @@ def rank_failed(exc: BaseException, *, run_dir: Path, rank: int, launched: bool)
     else:
         if not launched and not failure.secondary:
             kind = "error" if failure.fatal else f"rank {rank} failed"
-            print(f"fullshard train: {kind}: {failure.message} (traceback: {log})", file=sys.stderr)
-    if failure.fatal and not failure.secondary and not launched:
-        refuse_restarts(failure.message, rank=rank)
-    return FATAL_EXIT if failure.fatal and not failure.secondary else 1
+            line = f"fullshard train: {kind}: {failure.message} (traceback: {log})"
+    if failure.secondary:
+        await_report()
+        return 1
+    if failure.fatal and not launched:
+        refuse_restarts(failure.message, rank=rank)  # first: a restart must find it
+    report(line, once=failure.fatal)
+    return FATAL_EXIT if failure.fatal else 1
 
 
-def _stop_marker() -> Path | None:
-    """This torchrun invocation's stop marker on this machine (``None`` outside torchrun);
-    see [Note: no restart under a bare torchrun]."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+def _files(run_id: str | None = None, agent: int | None = None) -> Path | None:
+    """The prefix of one torchrun invocation's coordination files on this machine (``None``
+    outside torchrun): this rank's, or those of agent ``agent`` for run ``run_id``."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") if run_id is None else run_id
     if run_id is None:
         return None
-    agent = os.getppid()
+    agent = os.getppid() if agent is None else agent
     try:  # the agent's start time (clock ticks since boot): a reused pid is another agent
         started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         started = ""
     key = hashlib.sha256(f"{run_id}\0{agent}\0{started}".encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"fullshard-no-restart-{key}.json"
+    return Path(tempfile.gettempdir()) / f"fullshard-no-restart-{key}"
+
+
+def _stop_marker() -> Path | None:
+    """This torchrun invocation's stop marker on this machine (``None`` outside torchrun);
+    see [Note: no restart under a bare torchrun]."""
+    files = _files()
+    return None if files is None else files.with_name(f"{files.name}.json")
+
+
+def _attempt_file(what: str) -> Path | None:
+    """This attempt's ``what`` file beside the stop marker (``None`` outside torchrun); see
+    [Note: one report per failure]."""
+    files = _files()
+    return None if files is None else files.with_name(f"{files.name}.{attempt_number()}.{what}")
+
+
+def remove_files(run_id: str) -> None:
+    """Remove the coordination files of this process's workers in run ``run_id``: for a
+    launcher that runs the agent itself, once the group has stopped."""
+    files = _files(run_id, os.getpid())
+    if files is not None:
+        for path in files.parent.glob(f"{files.name}.*"):
+            path.unlink(missing_ok=True)
 
 
 def refuse_restarts(message: str, *, rank: int) -> None:
@@ -241,39 +286,66 @@ def exit_if_restart_refused() -> int | None:
     refused = restart_refused()
     if refused is None:
         return None
-    _announce_once(f"fullshard train: error: {refused}")
+    report(f"fullshard train: error: {refused}", once=True)
     return FATAL_EXIT
 
 
-def _announce_once(line: str, *, wait: float = 10.0) -> None:
-    """Print ``line`` from one rank of this attempt on this machine: the first to get here.
-    The others return once it is printed (or after ``wait`` seconds): see [Note: no restart
-    under a bare torchrun]."""
-    marker = _stop_marker()
-    if marker is None:  # not under torchrun: nobody else would print it
+def report(line: str | None, *, once: bool = False) -> None:
+    """Print a failed rank's ``line`` (``None``: nothing to print), then mark this attempt
+    reported on this machine. ``once``: a deterministic failure's line, which every rank may
+    hit: the first to get here prints it, the others wait until it is out. See [Note: one
+    report per failure]."""
+    if line is not None:
+        claim = _attempt_file("line") if once else None
+        if claim is not None and not _claim(claim):  # another rank prints it
+            _wait_until(lambda: claim.stat().st_size > 0)
+            return
         print(line, file=sys.stderr, flush=True)
-        return
-    announced = marker.with_name(f"{marker.name}.attempt{attempt_number()}")
+        if claim is not None:
+            _write_quietly(claim, "printed\n")
+    reported = _attempt_file("reported")
+    if reported is not None:
+        _write_quietly(reported, "")
+
+
+def await_report(wait: float = 5.0) -> None:
+    """A secondary failure: wait (at most ``wait`` seconds) until a rank that failed first
+    has reported, so that this rank's exit cannot get it stopped before its line and records
+    are out. See [Note: one report per failure]."""
+    reported = _attempt_file("reported")
+    if reported is not None:
+        _wait_until(reported.exists, wait)
+
+
+def _claim(path: Path) -> bool:
+    """Create ``path``, exclusively: ``False`` if it exists (another rank got there first);
+    ``True`` if this rank made it, or if it cannot be made (then nobody coordinates)."""
     try:
-        fd = os.open(announced, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except FileExistsError:  # another rank prints it: wait until it has
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                if announced.stat().st_size > 0:
-                    return
-            except OSError:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def _write_quietly(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError:
+        pass  # the waiting ranks give up after their timeout
+
+
+def _wait_until(done: Callable[[], bool], wait: float = 10.0) -> None:
+    """Poll ``done`` until it holds (or raises ``OSError``), for at most ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            if done():
                 return
-            time.sleep(0.01)
-        return
-    except OSError:  # cannot coordinate (temporary directory unwritable): print anyway
-        print(line, file=sys.stderr, flush=True)
-        return
-    try:
-        print(line, file=sys.stderr, flush=True)
-    finally:
-        os.write(fd, b"printed\n")
-        os.close(fd)
+        except OSError:
+            return
+        time.sleep(0.01)
 
 
 def restart_refused() -> str | None:

@@ -133,6 +133,8 @@ def _run_group(
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         return _cause(e, run_dir, since=started - 1)
+    finally:
+        failures.remove_files(config.run_id)  # see [Note: one report per failure]
     if _stop_reason(run_dir, started) == "nonfinite":  # the ranks printed why
         return 1
     return 0
