@@ -470,7 +470,7 @@ def _backend_buffers() -> dict[str, Any]:
     _set_backend_buffers(states[0], "symmetric", True)
     with pytest.raises(ValueError, match="symmetric"):
         model.set_reduce_scatter_max_input_buffers(2)
-    assert states[1].group.overrides.max_input_buffers == 1  # nothing changed
+    assert states[1].group.overrides.max_input_buffers is None  # nothing changed
     with pytest.raises(AssertionError, match="use one of them"):  # FSDP2's exception type
         model.set_allocate_memory_from_process_group_for_comm(False)
     # a custom comm set first: the knobs refuse, naming the unit
@@ -574,14 +574,16 @@ def _peak_in_flight(log: list[Any]) -> int:
 
 def _max_input_buffers() -> dict[str, Any]:
     """set_reduce_scatter_max_input_buffers: the engine keeps at most that many reductions in
-    flight (the root's units share the largest cap), with unchanged gradients."""
+    flight (the root's units share the largest cap), with unchanged gradients. Unset (0
+    here), the CPU's window for small units keeps all four tiny units' reductions in flight
+    ([Note: a window for small units] in fullshard.context)."""
     from fullshard.events import record_events
 
     out: dict[str, Any] = {}
-    for cap in (1, 2, 3):
+    for cap in (0, 1, 2, 3):
         model = _model()
-        if cap == 2:  # before lazy init, on every unit
-            model.set_reduce_scatter_max_input_buffers(2)
+        if cap in (1, 2):  # before lazy init, on every unit
+            model.set_reduce_scatter_max_input_buffers(cap)
         model(_data(0)).square().mean().backward()
         if cap == 3:  # after lazy init, on one unit: the root's units take the largest cap
             model[0].set_reduce_scatter_max_input_buffers(3, recurse=False)
@@ -730,8 +732,8 @@ def _check_overrides(r: dict[str, Any]) -> None:
     assert unused["fullshard"]["reduce_scatters"] == 8  # 4 units x 2 steps on both ranks
 
     caps = r["max_input_buffers"]
-    assert [caps[c][0] for c in (1, 2, 3)] == [1, 2, 3]
-    for c in (2, 3):
+    assert [caps[c][0] for c in (0, 1, 2, 3)] == [4, 1, 2, 3]
+    for c in (0, 2, 3):
         for a, b in zip(caps[c][1], caps[1][1]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 

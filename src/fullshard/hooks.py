@@ -129,7 +129,7 @@ class FSDPState:
         # the next gather's bytes move while this one's are waited on and computed with.
         self.group.unshard()
         targets = self.forward_prefetch
-        for nxt in ctx.next_in_forward(self) if targets is None else targets:
+        for nxt in ctx.forward_window(self) if targets is None else targets:
             nxt.group.unshard()
         self.group.wait_for_unshard()
         emit("forward_start", self.name)
@@ -185,7 +185,7 @@ class FSDPState:
         if self.group.unshard_in_backward:
             self.group.unshard()  # issued before the prefetch, waited on after (as forward)
         targets = self.backward_prefetch
-        for prev in ctx.next_in_backward(self) if targets is None else targets:
+        for prev in ctx.backward_window(self) if targets is None else targets:
             if prev.training_state is not TrainingState.POST_BACKWARD:
                 if prev.group.unshard_in_backward:
                     prev.group.unshard()
@@ -204,7 +204,7 @@ class FSDPState:
         # Finish the previous unit's reduction first (it has had this unit's whole backward to
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
-        ctx.make_room()
+        ctx.make_room(self.group.unsharded_nbytes())
         ctx.add_pending(
             self.group.reduce_grads(
                 recycle=self._recycles_in_backward(ctx), slab=ctx.slab_to_start(self)

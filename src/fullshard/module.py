@@ -465,7 +465,7 @@ class FSDPModule(_TorchFSDPModule):
                 f"set_symm_mem_for_comm on unit {state.name!r}: symmetric memory needs CUDA and "
                 f"an NCCL group; this unit computes on the CPU (leave it unset on CPU)"
             )
-        _check_symm_buffers(state, state.group.overrides.max_input_buffers, symmetric=True)
+        _check_symm_buffers(state, state.group.overrides.max_input_buffers or 1, symmetric=True)
         from torch.distributed import _symmetric_memory as symm_mem
 
         if symm_mem.get_backend(state.group.device) != backend:  # fixed once memory exists

@@ -12,7 +12,9 @@ subgroups) holds them; ``fullshard.gather`` and ``fullshard.reduce`` read it.
   reduce-scatter output; after the all-reduce across replicas with HSDP), as FSDP2 does.
 - ``reduce_scatter_unused_params``: see [Note: unused parameters] in ``fullshard.reduce``.
 - ``max_input_buffers``: reductions allowed in flight at once (the root's units share one cap,
-  the largest any of them asks for; ``StepContext.make_room``).
+  the largest any of them asks for; ``StepContext.make_room``); ``None``, the default, is 1
+  widened on the CPU by the window for small units ([Note: a window for small units] in
+  ``fullshard.context``), which a cap set explicitly replaces.
 - ``reduce_scatter_group``: a process group of its own for the unit's reduce-scatters
   (:func:`separate_reduce_scatter_groups`).
 
@@ -99,7 +101,7 @@ class CommOverrides:
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     hook_stream: Any = None  # a CUDA stream to run the hook on (ignored on the CPU)
     reduce_scatter_unused_params: bool = False
-    max_input_buffers: int = 1
+    max_input_buffers: int | None = None  # None: the default (see the module docstring)
     reduce_scatter_group: dist.ProcessGroup | None = None
 
     def allows_local(self) -> bool:

@@ -113,6 +113,7 @@ class PendingReduce:
     allreduce_issued: bool = False
     overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
     force_sum: bool = False  # set_force_sum_reduction_for_comms: the hook sees sums
+    nbytes: int = 0  # the unit's unsharded bytes, for the CPU's window of reductions in flight
 
     @property
     def _hook_sees_mean(self) -> bool:
@@ -242,6 +243,7 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         partial=g.partial if hsdp else None,
         overrides=g.overrides,
         force_sum=g.force_sum_reduction,
+        nbytes=g.unsharded_nbytes(),
     )
 
 

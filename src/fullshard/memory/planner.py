@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fullshard.context import SMALL_UNIT_WINDOW_BYTES
 from fullshard.memory.engines import ENGINES, EngineModel
 from fullshard.memory.tracker import LiveTensorBytes
 from fullshard.models import GPT, GPTConfig
@@ -386,6 +387,9 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
     shard = sum(u.shard_numel for u in units) * f32
     n_states = _OPT_STATES[spec.optimizer]
     unit_bytes = [u.padded_numel * pbytes for u in units]
+    # [Note: a window for small units] in fullshard.context: fullshard on the CPU gathers and
+    # reduces small units further ahead
+    window = SMALL_UNIT_WINDOW_BYTES if eng.transport and eng.transport[1] == "cpu" else 0
     # The engine aliases a unit's unsharded parameters to its shards when the two would be the
     # same tensors: one rank, compute in the masters' dtype, no offload, no replicas.
     aliasable = spec.param_dtype == torch.float32 and not spec.offload and spec.world_size == 1
@@ -406,7 +410,13 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             ahead = eng.forward_prefetch if seg.phase == "forward" else eng.backward_prefetch
             k = order.index(seg.after)
             lo = k if seg.unit > 0 else k + 1
-            out = {0, *order[lo : k + 1 + ahead]}
+            end, extra = k + 1 + ahead, 0
+            while ahead and end < len(order):  # the small units gathered further ahead
+                extra += gathered[order[end]]
+                if extra > window:
+                    break
+                end += 1
+            out = {0, *order[lo:end]}
         if not spec.reshard_after_forward:  # everything gathered once stays until its backward
             out |= set(range(n)) - reduced
         return out
@@ -414,6 +424,8 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
     events: list[Event] = []
     was: set[int] = set()
     pending = 0  # a reduce-scatter input still alive (EngineModel.reduce_pending)
+    in_flight: list[tuple[int, int]] = []  # the window's reductions: (unit bytes, input bytes)
+    alive = 0  # the input bytes of those not counted in ``pending``
     for seg in segments:
         base = {
             f"{host}sharded params": shard,
@@ -429,14 +441,14 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             for i in new:  # the shard sent, where it is a separate (packed, cast) copy
                 if eng.gather_input_copy or (low_precision and per_unit[i].copy_out):
                     extra += units[i].shard_numel * pbytes
-            ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending})
+            ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending + alive})
             ev.update(
                 {"activations": seg.start - seg.start_grads, "unsharded grads": seg.start_grads}
             )
             names = ", ".join(units[i].name for i in sorted(new))
             events.append(Event(f"all-gather of {names} (entering {seg.label})", ev))
         was = now
-        ev = dict(base, **{"gathered units": gath, "comm buffers": pending})
+        ev = dict(base, **{"gathered units": gath, "comm buffers": pending + alive})
         ev.update({"activations": seg.peak - seg.peak_grads, "unsharded grads": seg.peak_grads})
         events.append(Event(seg.label, ev))
         if seg.reduce_at is not None:
@@ -449,7 +461,14 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             out = u.shard_numel * f32
             if per_unit[seg.unit].aliases:  # the gradients are the shards' gradients
                 send = out = 0
-            ev = dict(base, **{"gathered units": gath, "comm buffers": pending + send + out})
+            # make_room: earlier reductions stay in flight while those beyond the first
+            # (and this one) fit the window
+            while in_flight and sum(b for b, _ in in_flight[1:]) + gathered[seg.unit] > window:
+                in_flight.pop(0)
+            earlier = sum(s for _, s in in_flight)
+            ev = dict(
+                base, **{"gathered units": gath, "comm buffers": pending + earlier + send + out}
+            )
             ev.update(
                 {
                     "activations": seg.reduce_at - seg.reduce_grads,
@@ -459,6 +478,8 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             events.append(Event(f"reduce-scatter of {u.name}", ev))
             reduced.add(seg.unit)  # its output buffer is now the gradient shards
             pending = send if eng.reduce_pending and seg.unit != 0 else 0
+            in_flight.append((gathered[seg.unit], send))
+            alive = sum(s for _, s in in_flight[:-1])  # the newest, as ever, not counted
             if seg.unit != 0 or spec.reshard_after_forward:
                 was = was - {seg.unit}
     # The optimizer step: all gradient shards, states, and per-parameter temporaries (AdamW's
