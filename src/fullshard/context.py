@@ -24,12 +24,15 @@ the next one (the prefetch) or beyond ``max_pending`` (the reductions) add up to
 ``SMALL_UNIT_WINDOW_BYTES`` of unsharded memory. A unit larger than that changes nothing, so
 models with units of a megabyte or more run exactly as before, and the window adds at most
 that many bytes to each direction's peak. ``fullshard bench --config overhead`` (64 units of
-4.5 KiB, 2 gloo ranks) steps 2.7x faster with it (BENCHMARKS.md, ninth session). On CUDA, where collectives
-queue on their own stream without blocking the host, the window is off.
+4.5 KiB, 2 gloo ranks) steps 2.7x faster with it (BENCHMARKS.md, ninth session). On CUDA,
+where collectives queue on their own stream without blocking the host, the window is off.
+Each window is computed once per order (prefix sums), and a unit's pre-hook issues only the
+part of its window no earlier unit issued, so the window costs O(1) calls per unit.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +75,11 @@ class StepContext:
         self._post_forward_index: dict[FSDPState, int] | None = None  # None: rebuild
         # Which units open a gradient slab this step (see _plan_slabs); None: not planned yet.
         self._slab_plan: dict[FSDPState, int] | None = None
+        # [Note: a window for small units]: where each position's window ends, per order
+        # (None: not computed yet), and how far this step's windows have issued gathers.
+        self._fwd_ends: list[int] | None = None
+        self._bwd_ends: list[int] | None = None
+        self._fwd_issued = self._bwd_issued = 0
         self.pending: list[PendingReduce] = []
         # [Note: a window for small units]: bytes beyond the next gather / max_pending.
         self.window_bytes = SMALL_UNIT_WINDOW_BYTES if device.type == "cpu" else 0
@@ -87,6 +95,7 @@ class StepContext:
         if self.forward_order:
             self.prev_forward_order = self.forward_order
             self._prev_forward_index = {st: i for i, st in enumerate(self.forward_order)}
+            self._fwd_ends = None
         first = self._first_gather_sizes()  # gradient memory set free since may serve them
         self._clear_orders()
         self.pool.clear()  # kept since a forward that had no backward
@@ -98,6 +107,8 @@ class StepContext:
         self.post_forward_order = []
         self._post_forward_index = None
         self._slab_plan = None
+        self._fwd_issued = self._bwd_issued = 0  # window positions issued so far this step
+        self._bwd_ends = None
 
     def record_forward(self, state: FSDPState) -> None:
         if state not in self._forward_seen:
@@ -105,6 +116,7 @@ class StepContext:
             self.forward_order.append(state)
 
     def record_post_forward(self, state: FSDPState) -> None:
+        self._bwd_ends = None  # the backward order changes
         order, index = self.post_forward_order, self._post_index()
         if state not in index:
             index[state] = len(order)
@@ -136,27 +148,54 @@ class StepContext:
 
     def forward_window(self, state: FSDPState) -> list[FSDPState]:
         """What ``state``'s pre-forward gathers ahead (implicit prefetch): the next unit, and on
-        the CPU the small ones after it ([Note: a window for small units])."""
+        the CPU the small ones after it that no earlier unit's window has issued yet ([Note: a
+        window for small units])."""
         i = self._prev_forward_index.get(state)
+        if i is None:
+            return []
         order = self.prev_forward_order
-        return [] if i is None else self._window(order, range(i + 1, len(order)))
+        if self._fwd_ends is None:
+            self._fwd_ends = self._window_ends(order)
+        window, self._fwd_issued = self._slide(order, i, self._fwd_ends[i], self._fwd_issued)
+        return window
 
     def backward_window(self, state: FSDPState) -> list[FSDPState]:
         """What ``state``'s pre-backward gathers ahead: the unit whose backward runs next, and
-        on the CPU the small ones after it."""
+        on the CPU the small ones after it not issued yet."""
         i = self._post_index().get(state)
-        return [] if i is None else self._window(self.post_forward_order, range(i - 1, -1, -1))
-
-    def _window(self, order: list[FSDPState], indices: range) -> list[FSDPState]:
-        window: list[FSDPState] = []
-        extra = 0
-        for j in indices:
-            if window:
-                extra += order[j].group.unsharded_nbytes()
-                if extra > self.window_bytes:
-                    break
-            window.append(order[j])
+        if i is None:
+            return []
+        order = self.post_forward_order[::-1]  # backward order
+        if self._bwd_ends is None:
+            self._bwd_ends = self._window_ends(order)
+        r = len(order) - 1 - i
+        window, self._bwd_issued = self._slide(order, r, self._bwd_ends[r], self._bwd_issued)
         return window
+
+    @staticmethod
+    def _slide(
+        order: list[FSDPState], i: int, end: int, issued: int
+    ) -> tuple[list[FSDPState], int]:
+        """Position ``i``'s window ``order[i + 1 : end]`` less what an earlier window issued
+        (positions below ``issued``; the next unit is always included, as without a window),
+        and the new ``issued``."""
+        return order[i + 1 : i + 2] + order[max(i + 2, issued) : end], max(issued, end)
+
+    def _window_ends(self, order: list[FSDPState]) -> list[int]:
+        """For each position ``i`` of ``order``, where its window ends (exclusive): the next
+        unit, then the units after it while they add up to at most ``window_bytes``."""
+        prefix = [0]
+        for st in order:
+            prefix.append(prefix[-1] + st.group.unsharded_nbytes())
+        n = len(order)
+        ends = []
+        for i in range(n):
+            if i + 2 >= n or not self.window_bytes:  # no window: the next unit alone
+                ends.append(min(n, i + 2))
+                continue
+            # the largest end with prefix[end] - prefix[i + 2] <= window_bytes
+            ends.append(min(n, bisect.bisect_right(prefix, prefix[i + 2] + self.window_bytes) - 1))
+        return ends
 
     # -------------------------------------------------------------------------- backward
     def _first_gather_sizes(self) -> list[int]:
