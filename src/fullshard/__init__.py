@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     )
     from .clip import clip_grad_norm_
     from .collectives import CollectiveStats, count_collectives
-    from .module import FullyShardError
+    from .module import FullyShardError, GradientReductionHandle
     from .patch import TorchFSDPPatch, patch_torch_fsdp
     from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -36,6 +36,7 @@ _LAZY = {
     "register_fsdp_forward_method": "api",
     "share_comm_ctx": "api",
     "FullyShardError": "module",
+    "GradientReductionHandle": "module",
     "TorchFSDPPatch": "patch",
     "patch_torch_fsdp": "patch",
     "clip_grad_norm_": "clip",
@@ -53,6 +54,7 @@ __all__ = [
     "CommPolicy",
     "FSDPModule",
     "FullyShardError",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "TorchFSDPPatch",

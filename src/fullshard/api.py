@@ -191,7 +191,7 @@ def fully_shard(
         and offload_policy.pin_memory
         and torch.cuda.is_available()
     )
-    params = claim_params(modules, info, shard_device, ignored, pin, shard_placement_fn)
+    params = claim_params(modules, info, shard_device, ignored, pin, shard_placement_fn, mp_policy)
     name = type(modules[0]).__name__
     group = ParamGroup(
         params,

@@ -87,6 +87,11 @@ class StepContext:
         self.reduce_window_bytes = self.window_bytes
         self.update_max_pending()
         self.callback_queued = False
+        # [Note: manual backward finalization] in fullshard.finalize: the mode this backward
+        # started in (None: no backward since the iteration ended), and the token of an
+        # asynchronous finalize_backward not yet waited on.
+        self.manual_active: bool | None = None
+        self.active_reduction: object | None = None
         self._subgroups: dict[int, tuple[dist.ProcessGroup, int]] = {}
 
     # --------------------------------------------------------------------------- forward
@@ -257,6 +262,8 @@ class StepContext:
         has ended) there is nothing to queue on: the caller finishes the step itself."""
         if not self.callback_queued and torch._C._current_graph_task_id() != -1:
             self.callback_queued = True
+            if self.manual_active is None:
+                self.manual_active = self.root.manual_backward_finalization
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def finish_pending(self) -> None:
@@ -293,21 +300,35 @@ class StepContext:
 
         With ``set_is_last_backward(False)`` on the root, the last reductions stay in flight
         (finished by the next backward) and the backward prefetch order is kept, as in FSDP2.
+        Under manual finalization they stay in flight until ``finalize_backward`` ([Note:
+        manual backward finalization] in ``fullshard.finalize``).
         """
         emit("backward_end", self.root.name)
         for st in self.states:
             if st.group.params and st.training_state is not TrainingState.POST_BACKWARD:
                 self.make_room(st.group.unsharded_nbytes())
                 self.add_pending(st.group.reduce_grads())
-        if self.root.is_last_backward:
-            self.finish_pending()
-            self.streams.wait_host_copies()
+        if self.root.is_last_backward and not self.manual_active:
+            self.end_backward_iteration()
+        else:
+            for st in self.states:
+                st.group.finish_backward()
+                st.training_state = TrainingState.IDLE
+            self.pool.clear()
+            self.pool.release_unused_slabs()
+        self.callback_queued = False
+
+    def end_backward_iteration(self) -> None:
+        """Wait for the reductions in flight, hand out their gradients, reshard what
+        ``reshard_after_backward`` says, and give pooled memory back for the optimizer step."""
+        self.finish_pending()
+        self.streams.wait_host_copies()
         for st in self.states:
             st.group.finish_backward()
             st.training_state = TrainingState.IDLE
         self.pool.clear()  # the optimizer step runs with no pooled memory
         self.pool.release_unused_slabs()
-        self.callback_queued = False
+        self.manual_active = None
 
     def reset_iter_state(self) -> None:
         """Recover from an exception mid-forward or mid-backward (``FSDPModule.reset_iter_state``).
@@ -328,6 +349,8 @@ class StepContext:
         self._clear_orders()
         self.pool.forget()
         self.callback_queued = False
+        self.manual_active = None
+        self.active_reduction = None  # an outstanding handle's wait() now raises
 
     # ------------------------------------------------------------------------- subgroups
     def post_forward_subgroup(self, group: ParamGroup, k: int) -> tuple[dist.ProcessGroup, int]:

@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from .events import emit
 from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
 from .mesh import MeshInfo
 from .overrides import CommOverrides
 from .param import ShardedParam
-from .policies import CommPolicy, MixedPrecisionPolicy
+from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
 from .pool import BufferContent, HostBufferPool
 from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
 from .state import ShardedState, transition
@@ -96,6 +97,9 @@ class ParamGroup:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.unshard_in_backward = True  # False: backward needs no parameter (e.g. embedding)
+        # set_keep_unsharded_storage: resharding keeps the buffer's memory (and so its
+        # address) and only registers the sharded parameters again
+        self.keep_unsharded_storage = False
         self.overrides = CommOverrides()  # custom comms, hook, reduce knobs (fullshard.overrides)
         self.partial = PartialReduce()  # HSDP accumulation without the all-reduce
         # Post-forward partial reshard (reshard_after_forward=int): kept chunk and its group.
@@ -126,9 +130,15 @@ class ParamGroup:
         return self.mp_policy.param_dtype or (self.layout or self.params)[0].orig_dtype
 
     def accum_dtype(self) -> torch.dtype:
-        """Dtype of unsharded gradients accumulated without sync (the reduce dtype)."""
+        """Dtype of unsharded gradients accumulated without sync (the reduce dtype).
+
+        With ``reduce_dtype=None`` FSDP2 reduces in ``param_dtype`` up to torch 2.14 and in the
+        parameters' own dtype from 2.15 on; fullshard follows the installed torch's."""
         mp = self.mp_policy
-        return mp.reduce_dtype or mp.param_dtype or (self.layout or self.params)[0].orig_dtype
+        own = (self.layout or self.params)[0].orig_dtype
+        if REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE:
+            return mp.reduce_dtype or own
+        return mp.reduce_dtype or mp.param_dtype or own
 
     def wire_reduce_dtype(self) -> torch.dtype:
         return self.comm_policy.reduce_dtype or self.accum_dtype()
@@ -159,8 +169,10 @@ class ParamGroup:
         ext = [sp for sp in own if has_extension(sp.local)]
         self.extended = ExtensionGather(ext, on_grad_accumulated) if ext else None
         self.layout, others = self._split_by_dtype([sp for sp in own if sp not in ext])
+        own_dtype = own_dtype_policy(self.mp_policy)
         self.subgroups = [
-            self._child(sub, self.info, f"{self.name} [{sub[0].orig_dtype}]") for sub in others
+            self._child(sub, self.info, f"{self.name} [{sub[0].orig_dtype}]", own_dtype)
+            for sub in others
         ] + [
             self._child(sub, sub[0].info, f"{self.name} [{_mesh_name(sub[0].info)}]")
             for sub in by_mesh
@@ -203,12 +215,18 @@ class ParamGroup:
         self._release()
         self._layout_key = key
 
-    def _child(self, params: list[ShardedParam], info: MeshInfo, name: str) -> ParamGroup:
+    def _child(
+        self,
+        params: list[ShardedParam],
+        info: MeshInfo,
+        name: str,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> ParamGroup:
         return ParamGroup(
             params,
             info,
             self.device,
-            self.mp_policy,
+            mp_policy or self.mp_policy,
             name,
             self.comm_policy,
             offloaded=self.offloaded,
@@ -302,7 +320,15 @@ class ParamGroup:
         dtypes in one unit would need one reduction per dtype: refused.
         """
         if self.mp_policy.param_dtype is not None:
-            return params, []
+            # MixedPrecisionPolicy.param_dtype_override_fn (torch 2.15) may keep some
+            # parameters in their own dtype: each such dtype gets a child group, which gathers
+            # in that dtype and reduces its own gradients.
+            kept: dict[torch.dtype, list[ShardedParam]] = {}
+            for sp in params:
+                if sp.keeps_own_dtype and sp.orig_dtype != self.mp_policy.param_dtype:
+                    kept.setdefault(sp.orig_dtype, []).append(sp)
+            cast = [sp for sp in params if not any(sp in v for v in kept.values())]
+            return cast, list(kept.values())
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for sp in params:
             by_dtype.setdefault(sp.orig_dtype, []).append(sp)
@@ -362,6 +388,11 @@ class ParamGroup:
         next reduce-scatter outputs ([Note: gradient memory lent for the next forward])."""
         if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
             return
+        if self.keep_unsharded_storage and self.unsharded_buf is not None:
+            if self.unsharded_buf.untyped_storage().nbytes():  # kept (set_keep_unsharded_storage)
+                if self.extended is not None:
+                    self.extended.release()
+                return
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
             if recycle:
@@ -572,6 +603,16 @@ class ParamGroup:
             else:
                 pending.append(start_reduce(g, grads))
         return pending
+
+    def has_unreduced_grads(self) -> bool:
+        """Whether a parameter of this unit (or a child group) holds an unsharded gradient not
+        reduced yet: accumulated with gradient sync off, or left by a backward."""
+        return any(
+            sp.unsharded_accum_grad is not None
+            or (sp.unsharded_param is not None and sp.unsharded_param.grad is not None)
+            for g in (self, *self.subgroups)
+            for sp in g.own_params
+        )
 
     def reset_iter_state(self) -> None:
         """After an aborted forward/backward: sharded, nothing in flight, no gradient kept.

@@ -80,6 +80,8 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True  # read on the root (set_is_last_backward)
+        # read on the root ([Note: manual backward finalization] in fullshard.finalize)
+        self.manual_backward_finalization = False
         self.shared_streams: CommStreams | None = None  # root: from share_comm_ctx
         self._post_forward_calls = 0
 

@@ -27,6 +27,7 @@ from .context import StepContext
 from .hooks import FSDPState, states_under
 from .mesh import MeshInfo, mesh_info, mesh_info_from_dims
 from .param import ShardedParam
+from .policies import MixedPrecisionPolicy, keeps_own_dtype
 
 __all__ = ["check_reshard_after_forward", "claim_params", "lazy_init", "resolve_reshard"]
 
@@ -53,13 +54,15 @@ def claim_params(
     ignored: set[int],
     pin_memory: bool,
     placement_fn: Callable[[nn.Parameter], object] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> list[ShardedParam]:
     """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones.
 
     ``placement_fn`` is ``shard_placement_fn``: ``None``, ``Shard(d)`` or a
     ``ShardPlacementResult`` (a placement on another mesh) per parameter.
     Parameters that are DTensors on other mesh dims (tensor parallel) are sharded over
-    ``info``'s mesh on top of their placements.
+    ``info``'s mesh on top of their placements. ``mp_policy``'s ``param_dtype_override_fn``
+    is evaluated here, once per parameter.
     """
     below = [sp for st in states_under(modules) for sp in st.group.params]
     by_sharded = {id(sp.sharded_param): sp for sp in below}
@@ -87,6 +90,7 @@ def claim_params(
                 sp = ShardedParam(
                     p, fqn, p_info, device, pin_memory=pin_memory, placement=placement
                 )
+                sp.keeps_own_dtype = mp_policy is not None and keeps_own_dtype(mp_policy, p, fqn)
                 sp.add_ref(sub, name)
                 claimed[id(p)] = sp
                 new.append(sp)
@@ -202,6 +206,12 @@ def _check_foreign_dtensor(p: DTensor, fqn: str, m: nn.Module, info: MeshInfo) -
 def lazy_init(root: FSDPState) -> StepContext:
     """Make ``root`` the root of every unit below it (see the module docstring)."""
     states = root.subtree_states()
+    for st in states[1:]:
+        if st.manual_backward_finalization:
+            raise RuntimeError(
+                f"set_manual_backward_finalization was called on the unit {st.name!r}, which "
+                f"is not the root: call it on the module fully_shard was applied to last"
+            )
     names = {id(m): n for top in root.modules for n, m in top.named_modules()}
     meta: list[str] = []
     for st in states:

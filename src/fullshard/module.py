@@ -2,9 +2,9 @@
 
 fullshard's ``FSDPModule`` subclasses ``torch.distributed.fsdp.FSDPModule``, so code that
 recognises FSDP2 units by class (Accelerate, Lightning Fabric, transformers, torch's pipelining
-schedules and DCP helpers) sees fullshard's units as FSDP2 units. Every public method of torch
-2.13's ``FSDPModule`` is overridden here (``tests/test_fsdp2_compat.py`` checks that none is
-inherited): torch's methods reach into torch's engine state, which a fullshard unit does not
+schedules and DCP helpers) sees fullshard's units as FSDP2 units. Every public method of
+``FSDPModule`` in each supported torch release (``fullshard.compat``) is overridden here
+(``tests/test_fsdp2_compat.py`` checks that none is inherited): torch's methods reach into torch's engine state, which a fullshard unit does not
 have, so none of them ever runs.
 
 Methods whose FSDP2 meaning is about CUDA streams or NCCL buffers either do the same thing in
@@ -15,13 +15,14 @@ group), raise an error saying why.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, overload
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from .finalize import GradientReductionHandle, finalize_backward, set_manual_backward_finalization
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState, states_under
 from .init import check_reshard_after_forward, lazy_init, resolve_reshard
@@ -38,6 +39,7 @@ from .streams import CommStreams
 __all__ = [
     "FSDPModule",
     "FullyShardError",
+    "GradientReductionHandle",
     "UnshardHandle",
     "register_fsdp_forward_method",
     "share_comm_ctx",
@@ -172,16 +174,55 @@ class FSDPModule(_TorchFSDPModule):
             )
         root.ctx.reset_iter_state()
 
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
         # super(_TorchFSDPModule, ...): skip torch's FSDPModule._apply (torch's engine state).
-        ret = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        ret = super(_TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
         state = _state(cast(nn.Module, self))
         for sp in state.group.params:
             sp.sync_from_modules()
         if state.ctx is not None:  # after lazy init: a cast needs a layout in the new dtype
             state.group.init_layout(state.on_grad_accumulated)
         return ret
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether resharding keeps the unsharded parameters' memory (torch 2.15's FSDP2).
+
+        Kept, the unsharded buffer keeps its address across reshard and unshard (what CUDA
+        graph capture needs), at the cost of holding it between uses; resharding then only
+        registers the sharded parameters again. Default ``False``: resharding frees it.
+        """
+        if not isinstance(keep, bool):
+            raise TypeError(f"keep must be a bool, got {type(keep).__name__}")
+        for st in self._states(recurse):
+            for group in (st.group, *st.group.subgroups):
+                group.keep_unsharded_storage = keep
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Whether the caller ends each backward iteration with :meth:`finalize_backward`
+        (call on the root, before the forward; torch 2.15's FSDP2). See [Note: manual backward
+        finalization] in ``fullshard.finalize``; it supersedes :meth:`set_is_last_backward`."""
+        set_manual_backward_finalization(_state(cast(nn.Module, self)), enabled)
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Finish the backward iteration on the calling thread (root only, manual finalization).
+
+        Reduces every unit's unreduced gradients under the current settings (gradient sync,
+        reshard after backward), waits for the reductions and ends the iteration; before the
+        root's first forward it does nothing. ``async_op=True`` issues the reductions and
+        returns a :class:`GradientReductionHandle`; call its ``wait()`` before reading the
+        gradients or starting the next iteration.
+        """
+        return finalize_backward(_state(cast(nn.Module, self)), async_op)
 
     # --------------------------------------------------------------- gradient knobs
     def set_requires_gradient_sync(

@@ -90,6 +90,8 @@ class ShardedParam:
         self.orig_shape: torch.Size = param.shape  # ND, global (what users see)
         self.orig_dtype: torch.dtype = param.dtype
         self.requires_grad: bool = param.requires_grad
+        # MixedPrecisionPolicy.param_dtype_override_fn kept it in its own dtype (set by init)
+        self.keeps_own_dtype = False
         self.info = info
         # A parameter that is already a DTensor on other mesh dims (tensor parallel): its
         # *local* tensor is what this object shards over the data-parallel group, and the

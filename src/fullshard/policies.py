@@ -20,12 +20,56 @@ is accepted as is:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["CPUOffloadPolicy", "CommPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+from .compat import MP_HAS_PARAM_DTYPE_OVERRIDE
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "CommPolicy",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "keeps_own_dtype",
+    "own_dtype_policy",
+]
+
+
+def keeps_own_dtype(mp: MixedPrecisionPolicy, param: nn.Parameter, fqn: str) -> bool:
+    """Whether ``mp.param_dtype_override_fn`` (torch 2.15) keeps ``param`` in its own dtype.
+
+    Called once per parameter by ``fully_shard``, on the parameter as the user built it. As in
+    FSDP2 the function may return ``None`` or ``param_dtype`` (the default) or the parameter's
+    own dtype; anything else is refused.
+    """
+    fn = getattr(mp, "param_dtype_override_fn", None)
+    if fn is None or mp.param_dtype is None:
+        return False
+    got = fn(param)
+    if got is None:
+        return False
+    if not isinstance(got, torch.dtype):
+        raise ValueError(
+            f"param_dtype_override_fn must return a torch.dtype or None but got "
+            f"{type(got).__name__} for parameter {fqn!r}"
+        )
+    if got not in (mp.param_dtype, param.dtype):
+        raise ValueError(
+            f"param_dtype_override_fn must return None, param_dtype, or the parameter's "
+            f"original dtype but got {got} for parameter {fqn!r} with dtype {param.dtype} "
+            f"and param_dtype {mp.param_dtype}"
+        )
+    return got == param.dtype and got != mp.param_dtype
+
+
+def own_dtype_policy(mp: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """``mp`` for parameters gathered in their own dtype (no ``param_dtype``, no override)."""
+    if MP_HAS_PARAM_DTYPE_OVERRIDE:
+        return replace(mp, param_dtype=None, param_dtype_override_fn=None)  # type: ignore[call-arg]
+    return replace(mp, param_dtype=None)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs fullshard's tests on another torch release, in a venv of its own:
+#
+#   bash scripts/compat.sh 2.15.0            # the whole suite
+#   bash scripts/compat.sh 2.15.0 --subset   # what CI runs on the newest torch (see SUBSET below)
+#   bash scripts/compat.sh 2.15.0 -- tests/test_fsdp2_compat.py -k patch   # any pytest arguments
+#
+# The venv is cached in ${FULLSHARD_COMPAT_CACHE:-~/.cache/fullshard}/venv-torch-VERSION and
+# rebuilt when it is missing or broken. It never touches .venv (the pinned torch). On a CPU-only
+# machine torch releases newer than the CPU wheel on disk come from PyPI as the CUDA build (about
+# 5 GB, one to a few minutes); pip's machine-wide configuration (which may cap torch at what lies
+# on disk) is bypassed for this venv only, through PIP_CONFIG_FILE=/dev/null.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ $# -lt 1 ]; then
+  echo "usage: bash scripts/compat.sh TORCH_VERSION [--subset | -- PYTEST_ARGS...]" >&2
+  exit 2
+fi
+VERSION=$1
+shift
+
+# The engine parity matrix, FSDP2 conformance and the framework clients (pipelining,
+# Accelerate, Fabric, transformers, DCP).
+SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/clients tests/test_checkpoint.py
+        tests/test_composition.py tests/test_install.py)
+ARGS=(tests)
+if [ $# -gt 0 ]; then
+  case "$1" in
+    --subset) ARGS=("${SUBSET[@]}"); shift ;;
+    --) shift; ARGS=("$@"); set -- ;;
+    *) echo "compat.sh: unknown argument $1 (expected --subset or -- PYTEST_ARGS)" >&2; exit 2 ;;
+  esac
+fi
+
+CACHE=${FULLSHARD_COMPAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fullshard}
+VENV="$CACHE/venv-torch-$VERSION"
+PY=${PYTHON:-python3}
+want_stamp="torch=$VERSION $(sha256sum pyproject.toml | cut -c1-16)"
+
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.fullshard-stamp" 2>/dev/null)" != "$want_stamp" ] \
+   || ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  echo "compat.sh: building $VENV (torch $VERSION)"
+  rm -rf "$VENV"
+  mkdir -p "$CACHE"
+  "$PY" -m venv "$VENV"
+  # Only this venv bypasses the machine's pip configuration (and so any cap on torch).
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q "torch==$VERSION"
+  # torch is installed first, so resolving the extras keeps it.
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e ".[dev,clients]"
+  echo "$want_stamp" > "$VENV/.fullshard-stamp"
+fi
+# The cached venv may have been made from another clone: point fullshard at this one.
+PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q --no-deps -e .
+
+got=$("$VENV/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
+if [ "$got" != "$VERSION" ]; then
+  echo "compat.sh: $VENV has torch $got, not $VERSION; remove it and run again" >&2
+  exit 1
+fi
+echo "compat.sh: torch $got ($VENV), pytest ${ARGS[*]}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "$VENV/bin/python" -m pytest -q -x "${ARGS[@]}"
