@@ -24,7 +24,7 @@ the next one (the prefetch) or beyond ``max_pending`` (the reductions) add up to
 ``SMALL_UNIT_WINDOW_BYTES`` of unsharded memory. A unit larger than that changes nothing, so
 models with units of a megabyte or more run exactly as before, and the window adds at most
 that many bytes to each direction's peak. ``fullshard bench --config overhead`` (64 units of
-4.5 KiB, 2 gloo ranks) steps 2.7x faster with it (BENCHMARKS.md, ninth session). On CUDA,
+4.5 KiB, 2 gloo ranks) steps 2.7x faster with it (BENCHMARKS.md, 2026-12-02 at 34fc753). On CUDA,
 where collectives queue on their own stream without blocking the host, the window is off.
 Each window is computed once per order (prefix sums), and a unit's pre-hook issues only the
 part of its window no earlier unit issued, so the window costs O(1) calls per unit.
