@@ -194,3 +194,18 @@ def test_param_dtype_override_fn() -> None:
     assert r["dtypes"] == {"0": torch.bfloat16, "1": torch.float32, "2": torch.bfloat16}
     assert all(g.dtype == torch.float32 for g in r["grads"].values())
     assert "param_dtype_override_fn must return None" in r["bad"]
+
+
+def test_supported_range_matches_pyproject(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+    from pathlib import Path
+
+    from fullshard import compat
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    lo, hi = compat.SUPPORTED_TORCH
+    assert f'"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"' in text
+    assert compat.check_supported() is None  # the torch under test is supported
+    monkeypatch.setattr(compat, "TORCH_VERSION", (hi[0], hi[1]))
+    msg = compat.check_supported()
+    assert msg is not None and re.search(r"torch \d+\.\d+ to \d+\.\d+", msg)

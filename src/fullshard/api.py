@@ -15,6 +15,7 @@ parameter becomes a ``DTensor`` registered on its modules, so ``model.parameters
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Placement
 
+from .compat import check_supported
 from .group import ParamGroup
 from .hooks import STATE_ATTR, FSDPState
 from .init import check_reshard_after_forward, claim_params
@@ -48,6 +50,9 @@ __all__ = [
 ]
 _ = (_all_states, _state)  # re-exported for tests and tools
 
+
+if (_unsupported := check_supported()) is not None:
+    warnings.warn(_unsupported, stacklevel=2)
 
 _FSDP_CLASSES: dict[type, type] = {}  # original class -> its FSDP<Name> subclass
 
