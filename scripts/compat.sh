@@ -22,7 +22,8 @@ shift
 
 # The engine parity matrix, FSDP2 conformance and the framework clients (pipelining,
 # Accelerate, Fabric, transformers, DCP).
-SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/clients tests/test_checkpoint.py
+SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/test_torch215_api.py tests/clients
+        tests/test_engine_knobs.py tests/test_features.py tests/test_checkpoint.py
         tests/test_composition.py tests/test_install.py)
 ARGS=(tests)
 if [ $# -gt 0 ]; then

@@ -158,10 +158,17 @@ def _override_worker() -> dict:
 
     from fullshard import fully_shard
 
-    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    class Norm(nn.LayerNorm):  # computes in fp32 on a bf16 input, as fp32-norm recipes do
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x.float()).to(x.dtype)
+
+    model = nn.Sequential(nn.Linear(8, 8), Norm(8), nn.Linear(8, 4))
     ref = [p.detach().clone() for p in model.parameters()]
-    keep_norm = lambda p: p.dtype if p.dim() == 1 and p.shape[0] == 8 else None  # noqa: E731
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=keep_norm)
+    keep = {id(p) for p in model[1].parameters()}  # evaluated on the parameters as built
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,
+        param_dtype_override_fn=lambda p: p.dtype if id(p) in keep else None,
+    )
     fully_shard(model, mp_policy=mp)
     dtypes = {}
     handles = [
