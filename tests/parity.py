@@ -47,7 +47,7 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, reuse: bool = False, ckpt: bool = False) -> None:
+    def __init__(self, reuse: bool = False, ckpt: bool = False, mixed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList([Block(frozen=True, ckpt=ckpt), Block(unused=True), Block()])
@@ -55,6 +55,8 @@ class Net(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied across units (embed is its own unit)
         self.reuse = reuse
+        if mixed:
+            freeze_mixed(self)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
@@ -63,6 +65,16 @@ class Net(nn.Module):
         if self.reuse:
             x = self.blocks[2](x)  # a unit called twice in one forward
         return self.head(self.norm(x))
+
+
+def freeze_mixed(model: Net) -> None:
+    """``requires_grad`` mixed within and across units, every unit keeping one trainable
+    parameter: the first block's ``up`` weight, the second block's linears, the root's norm.
+    The sharded runs call it after ``fully_shard`` (on the registered sharded parameters)."""
+    model.blocks[0].up.weight.requires_grad_(False)
+    for lin in (model.blocks[1].up, model.blocks[1].down):
+        lin.requires_grad_(False)
+    model.norm.requires_grad_(False)
 
 
 def make_net(seed: int = 0, **kwargs: bool) -> Net:

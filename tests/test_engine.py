@@ -14,6 +14,7 @@ from fullshard.testing import run_distributed
 from parity import (
     Net,
     batch,
+    freeze_mixed,
     full_state,
     loss_fn,
     make_net,
@@ -34,6 +35,9 @@ CASES = [
     ("raf_2", {}, {"reshard_after_forward": 2}, 1, (4,)),
     ("raf_2_accum2", {}, {"reshard_after_forward": 2}, 2, (4,)),
     ("ckpt_reuse", {"ckpt": True, "reuse": True}, {}, 1, (1, 2, 4)),
+    # requires_grad mixed within and across units, set after fully_shard
+    ("mixed_frozen", {"mixed": True}, {}, 1, (2, 4)),
+    ("mixed_frozen_accum2", {"mixed": True}, {}, 2, (2, 3)),
 ]
 
 
@@ -55,7 +59,11 @@ def _run_cases() -> dict[tuple[str, str], tuple[list[float], dict[str, torch.Ten
         for name, model_kwargs, shard_kwargs, micro, worlds in CASES:
             if world not in worlds:
                 continue
-            model = shard_net(make_net(**model_kwargs), comm_policy=policy, **shard_kwargs)
+            kwargs = dict(model_kwargs)
+            mixed = kwargs.pop("mixed", False)
+            model = shard_net(make_net(**kwargs), comm_policy=policy, **shard_kwargs)
+            if mixed:  # frozen through the sharded parameters, after fully_shard
+                freeze_mixed(model)
             opt = make_optimizer(model)
             losses, counts, leftover, algos, paths = [], [], [], set(), set()
             reuses = []
@@ -116,7 +124,7 @@ def _expected_counts(name: str, world: int, micro: int) -> list[tuple[str, int]]
     # unit lost its only parameter to the root (tied across units) and communicates nothing.
     units = 4
     raf = {"raf_false": False, "raf_2": 2, "raf_2_accum2": 2}.get(name, True)
-    if name in ("default", "ckpt_reuse"):
+    if name in ("default", "ckpt_reuse") or name.startswith("mixed_frozen"):
         raf = None
     if world == 1:
         return []

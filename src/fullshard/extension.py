@@ -138,9 +138,9 @@ class ExtensionGather:
                     stride = torch.empty(sp.data_shape, device="meta").stride()
                     data = torch.as_strided(full, sp.data_shape, stride, 0)
                     up = nn.Parameter(sp.as_unsharded(data), requires_grad=sp.requires_grad)
-                    if sp.requires_grad:
-                        up.register_post_accumulate_grad_hook(lambda _p, sp=sp: self._on_grad(sp))
                     sp.unsharded_param = up
+                    if sp.requires_grad:
+                        sp.hook_grad(self._on_grad)
                     self._inner[id(sp)] = tuple(inner)
                 else:
                     for t in self._inner[id(sp)]:

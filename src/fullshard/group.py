@@ -112,6 +112,8 @@ class ParamGroup:
         self._gathered_versions: tuple[int, ...] = ()
         self._grads_seen = 0
         self._grads_expected = 0  # trainable parameters (set by init_layout)
+        # the unit's post-accumulate-grad callback (set by init_layout)
+        self._on_grad_accumulated: Callable[[ShardedParam], None] | None = None
         # (id, dtype) of the params the layout was built for
         self._layout_key: list[tuple[int, torch.dtype]] = []
         self.offsets: list[int] = []
@@ -160,6 +162,7 @@ class ParamGroup:
     def init_layout(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Allocate the unsharded views (storage freed) and grad hooks; idempotent."""
         key = [(id(sp), sp.orig_dtype) for sp in self.params]  # a cast rebuilds it
+        self._on_grad_accumulated = on_grad_accumulated
         self._grads_expected = sum(1 for sp in self.params if sp.requires_grad)
         if self._layout_key == key or not self.params:
             return
@@ -266,9 +269,10 @@ class ParamGroup:
         sp: ShardedParam, data: torch.Tensor, on_grad_accumulated: Callable[[ShardedParam], None]
     ) -> None:
         up = nn.Parameter(data, requires_grad=sp.requires_grad)
-        if sp.requires_grad:
-            up.register_post_accumulate_grad_hook(lambda _p, sp=sp: on_grad_accumulated(sp))
         sp.unsharded_param = up
+        sp.grad_hooked = False  # a new leaf: no hook yet
+        if sp.requires_grad:
+            sp.hook_grad(on_grad_accumulated)
 
     def _aliasable(self) -> bool:
         """Whether this unit's unsharded parameters can be its shards themselves.
@@ -561,6 +565,29 @@ class ParamGroup:
         self._free_unsharded(ShardedState.SHARDED_POST_FORWARD)
 
     # ---------------------------------------------------------------------------- backward
+    # [Note: requires_grad set after fully_shard]
+    # Users freeze and unfreeze parameters through the registered (sharded) parameters, often
+    # after ``fully_shard`` (FSDP2's own tests freeze between ``fully_shard`` and the first
+    # forward, or unfreeze later to fine-tune more). The sharded parameter's flag is the truth
+    # (``ShardedParam.requires_grad``), and the module computes with the unsharded one, so
+    # before each forward the unit copies the flag over: a frozen parameter gets no gradient
+    # (nor an optimizer update: optimizers step every parameter with a gradient), an
+    # unfrozen one gets its gradient hook, and the count that fires post-backward follows.
+    def sync_requires_grad(self) -> None:
+        """Give the unsharded parameters the sharded ones' ``requires_grad`` (see the Note)."""
+        changed = False
+        for sp in self.params:
+            up = sp.unsharded_param
+            want = sp.sharded_param.requires_grad
+            if up is None or up.requires_grad == want:
+                continue
+            up.requires_grad_(want)
+            if want and not sp.grad_hooked and self._on_grad_accumulated is not None:
+                sp.hook_grad(self._on_grad_accumulated)
+            changed = True
+        if changed:
+            self._grads_expected = sum(1 for sp in self.params if sp.requires_grad)
+
     def on_grad_accumulated(self) -> bool:
         """Count a parameter whose gradient is ready; True when the whole unit is ready.
 

@@ -127,6 +127,7 @@ class FSDPState:
             ctx.begin_forward()
         self.training_state = TrainingState.FORWARD
         ctx.record_forward(self)
+        self.group.sync_requires_grad()  # [Note: requires_grad set after fully_shard]
         # Issue this unit's gather (unless prefetched) and the next one's before waiting, so
         # the next gather's bytes move while this one's are waited on and computed with.
         self.group.unshard()

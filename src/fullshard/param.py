@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -89,7 +90,6 @@ class ShardedParam:
         self.refs: list[tuple[nn.Module, str]] = []
         self.orig_shape: torch.Size = param.shape  # ND, global (what users see)
         self.orig_dtype: torch.dtype = param.dtype
-        self.requires_grad: bool = param.requires_grad
         # MixedPrecisionPolicy.param_dtype_override_fn kept it in its own dtype (set by init)
         self.keeps_own_dtype = False
         self.info = info
@@ -140,11 +140,21 @@ class ShardedParam:
         self._orig_ref = weakref.ref(param)
         # Set by the owning ParamGroup once its unsharded buffer exists.
         self.unsharded_param: nn.Parameter | None = None
+        # Whether ``unsharded_param`` has the post-accumulate-grad hook that counts it for its
+        # unit's post-backward (registered once, when it first requires grad).
+        self.grad_hooked = False
         # Shard(dim > 0): the unsharded data is not a view of the gathered region but a
         # separate tensor filled by copy_out (storage resized to 0 while sharded).
         self.unsharded_data: torch.Tensor | None = None
         # Unsharded gradient accumulated across micro-steps without sync (in reduce dtype).
         self.unsharded_accum_grad: torch.Tensor | None = None
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter is trainable: the registered sharded parameter's flag, which
+        users set (``requires_grad_``) before or after ``fully_shard``; see [Note: requires_grad
+        set after fully_shard] in ``fullshard.group``."""
+        return self.sharded_param.requires_grad
 
     def _shape_with(self, rows: int) -> torch.Size:
         shape = list(self.data_shape)
@@ -383,6 +393,15 @@ class ShardedParam:
         """Register the sharded DTensor parameter on every referencing module."""
         for module, name in self.refs:
             module._parameters[name] = self.sharded_param
+
+    def hook_grad(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
+        """Have the unsharded parameter's accumulated gradients call ``on_grad_accumulated``
+        (the unit counts them to fire its post-backward); once per unsharded parameter."""
+        assert self.unsharded_param is not None
+        self.unsharded_param.register_post_accumulate_grad_hook(
+            lambda _p: on_grad_accumulated(self)
+        )
+        self.grad_hooked = True
 
     def to_unsharded(self) -> None:
         """Register the unsharded parameter (a view into the unit's buffer)."""
