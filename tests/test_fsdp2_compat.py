@@ -262,9 +262,10 @@ def _methods() -> dict[str, Any]:
         model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(TypeError, match="bool"):
         model._set_unshard_async_op("yes")  # type: ignore[arg-type]
-    # CUDA-only knobs on a CPU unit
-    with pytest.raises(RuntimeError, match=r"\(True\) on unit 'Sequential \(root\)'.*CPU.*CUDA"):
-        model.set_allocate_memory_from_process_group_for_comm(True)
+    # on a CPU unit the process group's allocator is torch.empty (gloo has none): accepted,
+    # nothing changes (as FSDP2); symmetric memory needs CUDA
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    assert model._get_fsdp_state().group.overrides.all_gather is None
     with pytest.raises(
         RuntimeError, match=r"on unit 'Sequential \(root\)'.*needs CUDA and an NCCL"
     ):

@@ -143,8 +143,8 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         """Forward hook: reshard per policy, hook outputs for pre-backward, cast outputs."""
-        if _in_backward():
-            return output
+        if _in_backward():  # recomputation: the same outputs as the forward's, cast alike
+            return _cast_floats(output, self.mp_policy.output_dtype)
         ctx = self._context()
         emit("forward_end", self.name)
         self._post_forward_calls += 1

@@ -113,17 +113,18 @@ def mesh_info_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInf
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
         )
+    # FSDP2's messages first (tests match them), then how to fix it
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError(
-            f"dp_mesh_dims={dims} needs a mesh with named dims: build it with "
+            f"mesh must have mesh_dim_names when dp_mesh_dims is provided: build it with "
             f"init_device_mesh(device_type, {tuple(mesh.shape)}, mesh_dim_names=(...))"
         )
     for name in (*dims.shard_names, *dims.replicate_names):
         if name not in names:
             raise ValueError(
-                f"dp_mesh_dims names the mesh dim {name!r}, which is not one of the mesh's "
-                f"dims {names}"
+                f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}: "
+                f"dp_mesh_dims must name dims of the mesh passed as mesh=..."
             )
     if not dims.shard_names:
         raise NotImplementedError(

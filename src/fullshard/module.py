@@ -469,19 +469,17 @@ class FSDPModule(_TorchFSDPModule):
         pool registered with its communicators, for zero-copy transfers) or with
         ``torch.empty`` (``False``, the default). Not recursive, as in FSDP2.
 
-        CUDA only: on a CPU unit ``True`` raises ``RuntimeError``. Cannot be combined with
+        On a CPU unit it is accepted and changes nothing, as in FSDP2 (gloo has no allocator
+        of its own, so FSDP2 falls back to ``torch.empty``; fullshard's CPU path exchanges
+        straight from/into parameters and gradients). Cannot be combined with
         :meth:`set_custom_all_gather`, :meth:`set_custom_reduce_scatter` or
         :meth:`set_symm_mem_for_comm` (``FullyShardError``, an ``AssertionError`` as in
         FSDP2); see [Note: comm buffers from the backend] in ``fullshard.overrides``.
         """
         state = _state(cast(nn.Module, self))
-        if enable and _on_cpu_group(state):
-            raise RuntimeError(
-                f"set_allocate_memory_from_process_group_for_comm(True) on unit {state.name!r}: "
-                f"this unit computes on the CPU, where fullshard exchanges straight from/into "
-                f"parameters and gradients with no staging buffers to allocate; it needs CUDA "
-                f"and an NCCL group (leave it unset on CPU)"
-            )
+        if enable and _on_cpu_group(state):  # the buffers are torch.empty's already
+            _check_no_other_buffer_knob(state, "process_group")
+            return
         _set_backend_buffers(state, "process_group", enable)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
@@ -527,6 +525,18 @@ def _set_backend_buffers(state: FSDPState, source: BufferSource, enable: bool) -
     """Point the unit's comm slots at fullshard's backend comms for ``source`` (``enable``)
     or back at the defaults, refusing a comm that another knob set."""
     ov, g, method = state.group.overrides, state.group, _KNOB[source]
+    _check_no_other_buffer_knob(state, source)
+    if not enable:
+        ov.all_gather = ov.reduce_scatter = None
+        return
+    _check_collectives(state, method)
+    ov.all_gather = BackendAllGather(source, lambda: g.info.shard_group)
+    ov.reduce_scatter = BackendReduceScatter(source, lambda: g.reduce_group)
+
+
+def _check_no_other_buffer_knob(state: FSDPState, source: BufferSource) -> None:
+    """Refuse ``source``'s knob when another knob or a custom comm decides the buffers."""
+    ov, method = state.group.overrides, _KNOB[source]
     for comm, kind in ((ov.all_gather, "all_gather"), (ov.reduce_scatter, "reduce_scatter")):
         other = getattr(comm, "source", None)
         if comm is not None and other != source:
@@ -536,12 +546,6 @@ def _set_backend_buffers(state: FSDPState, source: BufferSource, enable: bool) -
                 f"already decided by {knob} ({type(comm).__name__}); the two decide the same "
                 f"buffers, use one of them"
             )
-    if not enable:
-        ov.all_gather = ov.reduce_scatter = None
-        return
-    _check_collectives(state, method)
-    ov.all_gather = BackendAllGather(source, lambda: g.info.shard_group)
-    ov.reduce_scatter = BackendReduceScatter(source, lambda: g.reduce_group)
 
 
 def _check_symm_buffers(state: FSDPState, max_input_buffers: int, *, symmetric: bool) -> None:

@@ -425,6 +425,16 @@ class ShardedParam:
         else:
             assert isinstance(grad, DTensor)
             grad._local_tensor.add_(local_grad.to(grad._local_tensor.device))
+        self.run_post_accumulate_grad_hooks()
+
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """Run the hooks users registered on the sharded parameter with
+        ``register_post_accumulate_grad_hook`` (optimizers in backward do): autograd never
+        accumulates into it, so the engine calls them once the reduced gradient shard is its
+        ``.grad``, as FSDP2 does."""
+        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
+        for hook in (hooks or {}).values():
+            hook(self.sharded_param)
 
 
 def _norm(dim: int, ndim: int) -> int:

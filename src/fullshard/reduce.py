@@ -358,6 +358,7 @@ def hand_out_local(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]
             param = sp.sharded_param
             if param.grad is None:  # the shard's gradient is this tensor (no view, no copy)
                 param.grad = _dtensor_like(grad, param)
+                sp.run_post_accumulate_grad_hooks()
             else:
                 sp.make_grad(grad)
     ready.clear()

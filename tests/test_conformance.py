@@ -1,0 +1,259 @@
+"""Behaviours FSDP2 users observe, each run under fullshard and under torch FSDP2 in the same
+spawn and compared: post-accumulate-grad hooks on the sharded parameters (optimizer in
+backward), ``output_dtype`` under activation-checkpoint recomputation, the gradient divide
+factor on one rank, the process-group allocator knob on CPU, ``dp_mesh_dims`` messages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from fullshard import fully_shard
+from fullshard.testing import run_distributed
+
+DIM = 16
+ENGINES: dict[str, Callable[..., Any]] = {"fullshard": fully_shard, "fsdp2": torch_fully_shard}
+
+
+def _mlp(n: int = 3, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(n)])
+
+
+def _data(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+    return torch.randn(4, DIM, generator=g)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _optimizer_in_backward(shard: Callable[..., Any]) -> dict[str, Any]:
+    """An SGD step per parameter from its post-accumulate-grad hook, registered on the
+    sharded parameters after fully_shard (torch's optimizer-in-backward recipe)."""
+    model = _mlp()
+    for lin in model:
+        shard(lin)
+    shard(model)
+    calls: list[str] = []
+    names = {p: n for n, p in model.named_parameters()}
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        assert isinstance(p.grad, DTensor)  # the reduced shard, already its .grad
+        calls.append(names[p])
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    losses = []
+    for s in range(3):
+        loss = model(_data(s)).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return {
+        "calls": calls,
+        "losses": losses,
+        "grads_left": [p.grad is None for p in model.parameters()],
+        "weights": {n: _full(p) for n, p in model.named_parameters()},
+    }
+
+
+class _Recorder(nn.Module):
+    """Notes the dtype of each input it sees (forward and recomputation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return x * x  # saves x: the recomputation runs up to here
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unit = nn.Linear(DIM, DIM)
+        self.after = _Recorder()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda y: self.after(self.unit(y)), x, use_reentrant=False)
+
+
+def _output_dtype_under_recompute(shard: Callable[..., Any]) -> dict[str, Any]:
+    """param_dtype bf16 with output_dtype fp32: the unit's output is fp32 in the forward and
+    in the recomputation that activation checkpointing runs in backward."""
+    torch.manual_seed(1)
+    model = _Checkpointed()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    shard(model.unit, mp_policy=mp)
+    shard(model)
+    model(_data(0)).sum().backward()
+    return {
+        "seen": list(model.after.seen),
+        "grads": [_full(p.grad) for p in model.parameters()],  # type: ignore[arg-type]
+    }
+
+
+class _Divisions(TorchDispatchMode):
+    """Counts the division ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func.overloadpacket in (
+            torch.ops.aten.div,
+            torch.ops.aten.div_,
+            torch.ops.aten._foreach_div_,
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _divide_factor_one_rank(shard: Callable[..., Any]) -> dict[str, Any]:
+    """set_gradient_divide_factor on one rank: every gradient is divided by the factor, in
+    backward (FSDP2's test traces the division). A factor of 1 gives the same gradients;
+    fullshard skips dividing by 1, FSDP2 runs it (a documented difference)."""
+    out: dict[str, Any] = {}
+    for factor in (4.0, 1.0):
+        model = _mlp(2)
+        for lin in model:
+            shard(lin)
+        shard(model)
+        for unit in [*model, model]:
+            unit.set_gradient_divide_factor(factor)
+        loss = model(_data(0)).sum()
+        with _Divisions() as mode:
+            loss.backward()
+        out[f"grads_{factor}"] = [_full(p.grad) for p in model.parameters()]
+        out[f"divisions_{factor}"] = mode.count
+    return out
+
+
+def _process_group_allocator(shard: Callable[..., Any]) -> dict[str, Any]:
+    """set_allocate_memory_from_process_group_for_comm(True) on CPU: accepted, training as
+    without it (gloo has no allocator of its own)."""
+    model = _mlp()
+    for lin in model:
+        shard(lin)
+    shard(model)
+    for unit in [*model, model]:
+        unit.set_allocate_memory_from_process_group_for_comm(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for s in range(2):
+        loss = model(_data(s)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+def _mesh_dims_errors(shard: Callable[..., Any]) -> dict[str, Any]:
+    """dp_mesh_dims refusals: the exception type and FSDP2's message (first line)."""
+    world = dist.get_world_size()
+    named = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    unnamed = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    cases = {
+        "unnamed_mesh": (unnamed, DataParallelMeshDims(shard="dp")),
+        "unknown_name": (named, DataParallelMeshDims(shard="tp")),
+    }
+    for case, (mesh, dims) in cases.items():
+        try:
+            shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims)
+            out[case] = None
+        except Exception as e:  # the type and message are what is compared
+            out[case] = (type(e).__name__, str(e))
+    return out
+
+
+CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
+    "optimizer_in_backward": _optimizer_in_backward,
+    "output_dtype_under_recompute": _output_dtype_under_recompute,
+    "process_group_allocator": _process_group_allocator,
+    "mesh_dims_errors": _mesh_dims_errors,
+}
+ONE_RANK_CASES = {"divide_factor_one_rank": _divide_factor_one_rank}
+
+
+def _run(cases: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        (name, engine): fn(shard) for name, fn in cases.items() for engine, shard in ENGINES.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[tuple[str, str], dict[str, Any]]:
+    return run_distributed(_run, 2, CASES, timeout=300)[0]
+
+
+def _same(ours: Any, theirs: Any, where: str) -> None:
+    if isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys(), where
+        for k in theirs:
+            _same(ours[k], theirs[k], f"{where}.{k}")
+    elif isinstance(theirs, list | tuple) and theirs and isinstance(theirs[0], torch.Tensor):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{where}[{i}]")
+    elif isinstance(theirs, torch.Tensor):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5, msg=where)
+    elif isinstance(theirs, list) and theirs and isinstance(theirs[0], float):
+        assert ours == pytest.approx(theirs, rel=1e-5), where
+    else:
+        assert ours == theirs, f"{where}: fullshard {ours!r}, FSDP2 {theirs!r}"
+
+
+@pytest.mark.parametrize(
+    "case", ["optimizer_in_backward", "output_dtype_under_recompute", "process_group_allocator"]
+)
+def test_same_as_fsdp2(case: str, two_ranks) -> None:
+    ours, theirs = two_ranks[(case, "fullshard")], two_ranks[(case, "fsdp2")]
+    _same(ours, theirs, case)
+    if case == "optimizer_in_backward":  # the hooks ran: every parameter, every step
+        assert len(ours["calls"]) == 3 * 6 and all(ours["grads_left"])
+    if case == "output_dtype_under_recompute":
+        assert ours["seen"] == [torch.float32, torch.float32]
+
+
+def test_dp_mesh_dims_errors_are_fsdp2s(two_ranks) -> None:
+    ours, theirs = (
+        two_ranks[("mesh_dims_errors", "fullshard")],
+        two_ranks[("mesh_dims_errors", "fsdp2")],
+    )
+    for case, want in theirs.items():
+        assert want is not None, f"{case}: FSDP2 accepted it"
+        got = ours[case]
+        assert got is not None, f"{case}: fullshard accepted it"
+        assert got[0] == want[0], f"{case}: {got[0]} vs FSDP2's {want[0]}"
+        assert got[1].startswith(want[1]), f"{case}: {got[1]!r} does not start with {want[1]!r}"
+
+
+def test_divide_factor_on_one_rank() -> None:
+    r = run_distributed(_run, 1, ONE_RANK_CASES, timeout=120)[0]
+    ours, theirs = (
+        r[("divide_factor_one_rank", "fullshard")],
+        r[("divide_factor_one_rank", "fsdp2")],
+    )
+    for factor in (4.0, 1.0):
+        _same(ours[f"grads_{factor}"], theirs[f"grads_{factor}"], f"grads, factor {factor}")
+    assert theirs["divisions_4.0"] > 0 and ours["divisions_4.0"] > 0
+    assert ours["divisions_1.0"] == 0  # a division by 1 is skipped (FSDP2 runs it)
