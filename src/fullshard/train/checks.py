@@ -26,6 +26,7 @@ import torch
 from fullshard.train import data as data_mod
 from fullshard.train import hf
 from fullshard.train.config import ConfigError, TrainConfig, check_batch, replace
+from fullshard.train.degrees import Degrees, check_reshard, check_tp_shapes, resolve
 from fullshard.train.models import count_parameters, vocab_size_of
 from fullshard.train.tokenized import PendingCache, cached_stream
 
@@ -43,6 +44,7 @@ class Checked:
     world_size: int
     n_tokens: int
     n_params: int
+    degrees: Degrees
     data_cache: PendingCache | None = field(default=None, repr=False, compare=False)
     """``--data`` as the checks tokenized it, for :func:`commit` to cache."""
 
@@ -316,13 +318,20 @@ def _check_data(cfg: TrainConfig) -> tuple[int, int, PendingCache | None]:
     return len(tokens), top + 1, pending
 
 
-def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) -> Checked:
+def validate(
+    cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True, node_size: int | None = None
+) -> Checked:
     """Everything that can be known before spawning; raises :class:`ConfigError`. Writes
-    nothing ([Note: checks write nothing]): :func:`commit` the result before launching."""
+    nothing ([Note: checks write nothing]): :func:`commit` the result before launching.
+    ``node_size``: ranks per machine when known (a launch on one machine: ``world_size``)."""
     if world_size < 1:
         raise ConfigError(f"--nproc must be at least 1 (0 means automatic), got {world_size}")
     _check_device(cfg, world_size)
-    check_batch(cfg, world_size)
+    degrees = resolve(cfg, world_size, node_size=node_size)
+    check_batch(cfg, degrees.dp, tp=degrees.tp)
+    check_reshard(cfg, degrees)
+    if degrees.tp > 1:
+        _check_tp(cfg, degrees)
     if cfg.tensorboard:
         from fullshard.train.metrics import tensorboard_writer_class
 
@@ -335,4 +344,28 @@ def validate(cfg: TrainConfig, *, world_size: int, fresh_launch: bool = True) ->
     if fresh_launch:
         _check_resume(cfg)
     _check_run_dir(cfg)
-    return Checked(world_size=world_size, n_tokens=n_tokens, n_params=n_params, data_cache=pending)
+    return Checked(
+        world_size=world_size,
+        n_tokens=n_tokens,
+        n_params=n_params,
+        degrees=degrees,
+        data_cache=pending,
+    )
+
+
+def _check_tp(cfg: TrainConfig, degrees: Degrees) -> None:
+    """``--tp`` has a plan for the model and divides the heads, KV heads and MLP width."""
+    from fullshard.train.models import build_model, units_of
+    from fullshard.train.tp import LLAMA_PLAN, supports_tp, tp_sizes
+
+    try:
+        model = build_model(cfg, meta=True)  # on meta: no weights read, nothing allocated
+    except hf.HFError as e:
+        raise ConfigError(str(e)) from None
+    if not supports_tp(model, units_of(model).layers):
+        raise ConfigError(
+            f"--tp {degrees.tp}: no tensor-parallel plan for {type(model).__name__} (the GPT "
+            f"and Llama-family models, with {', '.join(LLAMA_PLAN)} in every decoder layer, "
+            "have one); use --tp 1"
+        )
+    check_tp_shapes(degrees, tp_sizes(model))

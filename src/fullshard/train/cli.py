@@ -181,8 +181,12 @@ def _run_as_worker(cfg: TrainConfig) -> int:
     if refused is not None:
         return refused
     fresh = failures.attempt_number() == 0
+    node = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
     try:
-        checks.commit(cfg, checks.validate(cfg, world_size=world, fresh_launch=fresh and rank == 0))
+        checked = checks.validate(
+            cfg, world_size=world, fresh_launch=fresh and rank == 0, node_size=node
+        )
+        checks.commit(cfg, checked)
     except ConfigError as e:
         failures.refuse_restarts(" ".join(str(e).split()), rank=rank)
         failures.report(f"fullshard train: error: {e}", once=True)  # one line, whichever rank
@@ -234,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     if in_torchrun():
         return _run_as_worker(cfg)
     if cfg.nproc:  # before the checks that import torch: a second saved on a typo
+        from fullshard.train.degrees import resolve
+
         try:
-            check_batch(cfg, cfg.nproc)
+            degrees = resolve(cfg, cfg.nproc)
+            check_batch(cfg, degrees.dp, tp=degrees.tp)
         except ConfigError as e:
             print(f"fullshard train: error: {e}", file=sys.stderr)
             return 2
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if nproc < 1:
             raise ConfigError("no GPU visible for --device cuda; use --device cpu")
-        checked = checks.commit(cfg, checks.validate(cfg, world_size=nproc))
+        checked = checks.commit(cfg, checks.validate(cfg, world_size=nproc, node_size=nproc))
     except ConfigError as e:
         print(f"fullshard train: error: {e}", file=sys.stderr)
         return 2
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path = run_dir / "config.toml"
     config_path.write_text(to_toml(cfg))
     print(
-        f"fullshard train: launching {nproc} rank(s) "
+        f"fullshard train: launching {nproc} rank(s), mesh {checked.degrees.describe()} "
         f"({checked.n_params / 1e6:.2f}M parameters, {checked.n_tokens:,} tokens of data); "
         f"config in {config_path}",
         flush=True,

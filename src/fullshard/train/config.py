@@ -163,9 +163,22 @@ class TrainConfig:
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype of the gathered parameters; sharded master weights and gradient
     reduction stay fp32 (fp16 adds dynamic loss scaling)."""
-    reshard_after_forward: Literal["auto", "true", "false"] = "auto"
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP): the model is sharded within each group of --dp-shard x
+    --tp ranks and replicated across groups, gradients all-reduced between them; on several
+    machines, one group per node and --dp-replicate the number of nodes."""
+    dp_shard: int = 0
+    """Ranks that shard each replica (ZeRO-3); 0: the rest, world size / (--dp-replicate x
+    --tp), so by default every rank shards."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads and MLP width split over this many neighbouring
+    ranks (DTensor TP, within a node), then fully_shard over the data-parallel ranks. For the
+    GPT and Llama-family Hugging Face models; must divide the heads and KV heads."""
+    reshard_after_forward: str = "auto"
     """Free gathered parameters after each unit's forward (true: least memory), keep them for
-    backward (false: less traffic), or FSDP2's default (auto: all but the root)."""
+    backward (false: less traffic), FSDP2's default (auto: all but the root), or an integer K
+    dividing --dp-shard: keep a copy sharded over groups of K ranks, so backward gathers
+    within K ranks (e.g. one node's)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in host memory."""
     activation_checkpointing: bool = False
@@ -201,11 +214,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = "max_steps seq_len n_layer d_model n_head vocab_size global_batch"
-        positive += " micro_batch eval_batches stop_timeout collective_timeout"
+        positive += " micro_batch eval_batches stop_timeout collective_timeout dp_replicate tp"
         for name in positive.split():
             _require(self, name, getattr(self, name) >= 1, "a positive integer")
         nonneg = "max_restarts nproc warmup_steps eval_every ckpt_every keep_last log_every"
-        nonneg += " sample_tokens max_skipped_steps"
+        nonneg += " sample_tokens max_skipped_steps dp_shard"
         for name in nonneg.split():
             _require(self, name, getattr(self, name) >= 0, "zero or a positive integer")
         for name in ("lr", "mlp_ratio", "temperature"):
@@ -228,6 +241,13 @@ class TrainConfig:
             raise ConfigError(
                 "--hf-model already names the model (its config.json); drop --hf-config"
             )
+        if self.reshard_after_forward not in ("auto", "true", "false"):
+            k = self.reshard_group
+            if k is None or k < 1:
+                raise ConfigError(
+                    "--reshard-after-forward must be auto, true, false or a positive integer K "
+                    f"(a copy sharded over K ranks), got {self.reshard_after_forward!r}"
+                )
         if self.resume == "":
             raise ConfigError("--resume must be auto, never or a checkpoint path, got ''")
         for name, value in _choices_of_literals().items():
@@ -235,6 +255,15 @@ class TrainConfig:
                 raise ConfigError(
                     f"{flag(name)} must be one of {', '.join(value)}, got {getattr(self, name)!r}"
                 )
+
+    @property
+    def reshard_group(self) -> int | None:
+        """``--reshard-after-forward K`` as the int ``K``; ``None`` for auto/true/false."""
+        text = self.reshard_after_forward.strip()
+        try:
+            return int(text)
+        except ValueError:
+            return None
 
     @property
     def uses_hf(self) -> bool:
@@ -308,14 +337,16 @@ class TrainConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def check_batch(cfg: TrainConfig, world: int) -> None:
-    """The global batch splits into ``world`` ranks x ``--micro-batch`` (needs no torch, so
-    ``fullshard train`` checks it before importing anything heavy when --nproc is given)."""
+def check_batch(cfg: TrainConfig, world: int, *, tp: int = 1) -> None:
+    """The global batch splits into ``world`` data-parallel ranks x ``--micro-batch`` (needs
+    no torch, so ``fullshard train`` checks it before importing anything heavy when --nproc
+    is given). ``tp``: ranks of one TP group, which read the same rows."""
     unit = world * cfg.micro_batch
     if cfg.global_batch % unit:
         up = (cfg.global_batch // unit + 1) * unit
+        ranks = "ranks" if tp == 1 else f"data-parallel ranks ({world * tp} ranks / --tp {tp})"
         raise ConfigError(
-            f"--global-batch {cfg.global_batch} is not divisible by ranks x --micro-batch = "
+            f"--global-batch {cfg.global_batch} is not divisible by {ranks} x --micro-batch = "
             f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
             f"or --nproc that divides {cfg.global_batch}"
         )
@@ -417,6 +448,8 @@ def from_toml(path: str) -> dict[str, Any]:
             raise ConfigError(f"--config {path}: {key!r} must be a value, not a table")
         if types[name] is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if name == "reshard_after_forward" and isinstance(value, (bool, int)):
+            value = str(value).lower()  # reshard_after_forward = 2 / true: as the flag takes it
         problem = _toml_type_problem(types[name], value)
         if problem:
             raise ConfigError(f"--config {path}: {key} must be {problem}, got {value!r}")

@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_
 from fullshard.train import data as data_mod
 from fullshard.train.config import TrainConfig, to_toml
-from fullshard.train.failures import SecondaryFailure, attempt_number
+from fullshard.train.degrees import Degrees, resolve
+from fullshard.train.failures import ATTEMPT_ENV, SecondaryFailure, attempt_number
 from fullshard.train.guard import FaultInjector, ResourceProbe, nonfinite_stop
 from fullshard.train.metrics import MetricsLog, Progress, plot
 from fullshard.train.models import (
@@ -52,7 +52,7 @@ from fullshard.train.models import (
     units_of,
 )
 from fullshard.train.optim import LossScaler, build_optimizer, lr_at, muon_ns_dtype, set_ns_dtype
-from fullshard.train.parallelize import ParallelPlan, parallelize
+from fullshard.train.parallelize import ParallelPlan, build_mesh, parallelize
 
 __all__ = ["DistEnv", "train"]
 
@@ -64,26 +64,44 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
-    restart_count: int  # failures.attempt_number(): > 0 after the group was restarted
+    restart_count: int  # > 0 after the group was restarted (see _rendezvous_store)
     device: torch.device
+    degrees: Degrees  # dp_replicate x dp_shard x tp
 
     @property
     def is_main(self) -> bool:
         """Rank 0 does the reporting."""
         return self.rank == 0
 
+    @property
+    def dp_rank(self) -> int:
+        """Which rows of the global batch this rank reads (its TP peers read the same)."""
+        return self.degrees.dp_rank(self.rank)
 
-def _rendezvous_store(rank: int, world: int, restart_count: int) -> dist.Store | None:
-    """The store the process group meets in, namespaced by the elastic attempt.
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the global batch splits into this many parts."""
+        return self.degrees.dp
+
+
+def _rendezvous_store(rank: int, world: int, launches: int) -> tuple[dist.Store | None, int]:
+    """The store the process group meets in, namespaced by the elastic attempt, and that
+    attempt's number (``launches``, the launcher's own restarts, outside torchelastic).
 
     [Note: stale keys after an elastic restart] torchrun's agent shares one TCPStore with its
     workers across restarts, and the default process group writes the same keys every
     attempt, so a restarted rank can read a dead peer's address and fail to connect. A
-    per-attempt prefix keeps each attempt's keys apart. ``None`` outside torchelastic.
+    per-attempt prefix keeps each attempt's keys apart. The attempt is counted in the store
+    itself (how many times this rank has joined it), not taken from the agent's
+    ``TORCHELASTIC_RESTART_COUNT``: on several machines that count is per agent, and an agent
+    that restarts its ranks because another node's did (a membership change, which torchrun
+    does not count as a restart) would otherwise pick another prefix than the failed node's
+    and never meet it. ``launches`` adds ``fullshard train``'s own relaunches (each a fresh
+    store). ``(None, launches)`` outside torchelastic.
     """
     env = os.environ
     if "TORCHELASTIC_RUN_ID" not in env or "MASTER_ADDR" not in env:
-        return None
+        return None, launches
     agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         env["MASTER_ADDR"],
@@ -93,7 +111,10 @@ def _rendezvous_store(rank: int, world: int, restart_count: int) -> dist.Store |
         timeout=timedelta(minutes=10),
         multi_tenant=True,
     )
-    return dist.PrefixStore(f"fullshard/attempt_{restart_count}", store)
+    joins = int(store.add(f"fullshard/joins/rank_{rank}", 1))
+    # A store that rank 0 hosts itself is new every attempt (joins == 1): the agent's count.
+    attempt = launches + max(joins - 1, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return dist.PrefixStore(f"fullshard/attempt_{attempt}", store), attempt
 
 
 def init_distributed(cfg: TrainConfig) -> DistEnv:
@@ -101,8 +122,12 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     env = os.environ
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
-    restarts = attempt_number()
-    store = _rendezvous_store(rank, world, restarts)
+    launches = int(env.get(ATTEMPT_ENV, "0") or 0)
+    store, restarts = _rendezvous_store(rank, world, launches)
+    if store is None:
+        restarts = attempt_number()
+    node = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
+    degrees = resolve(cfg, world, node_size=node)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.collective_timeout)}
     if store is not None:
         kwargs |= {"store": store, "rank": rank, "world_size": world}
@@ -114,7 +139,7 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", **kwargs)
-    return DistEnv(rank, world, local_rank, restarts, device)
+    return DistEnv(rank, world, local_rank, restarts, device, degrees)
 
 
 class StopRequest:
@@ -203,7 +228,7 @@ def _eval_loss(model: nn.Module, data: data_mod.TokenData, cfg: TrainConfig, env
         len(data.eval), seq_len=cfg.seq_len, count=cfg.eval_batches * cfg.global_batch
     )
     mine = starts.reshape(cfg.eval_batches, cfg.global_batch)[
-        :, data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
+        :, data_mod.rank_slice(cfg.global_batch, env.dp_rank, env.dp_size)
     ].reshape(-1)
     total = torch.zeros(2, dtype=torch.float64, device=env.device)  # [sum of losses, targets]
     model.eval()
@@ -263,7 +288,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     sampler = data_mod.Sampler(
         len(data.train), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed
     )
-    per_rank = cfg.global_batch // env.world_size
+    per_rank = cfg.global_batch // env.dp_size
     accum = per_rank // cfg.micro_batch
 
     # ---- model
@@ -274,7 +299,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     model = meta_model if meta else build_model(cfg)
     del meta_model
     kind = f"HF {type(model).__name__}" if cfg.uses_hf else "GPT"
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    meshes = build_mesh(env.degrees, env.device.type)
     plan = ParallelPlan(
         mixed_precision=cfg.mixed_precision,
         reshard_after_forward=cfg.reshard_after_forward,
@@ -283,7 +308,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         compile=cfg.compile,
     )
     units = units_of(model)
-    parallelize(model, units, plan, mesh=mesh)
+    parallelize(model, units, plan, mesh=meshes.dp, tp_mesh=meshes.tp)
     if meta:
         torch.manual_seed(cfg.seed)
         materialize(model, env.device)
@@ -315,7 +340,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         set_ns_dtype(optimizer, ns_dtype)
     say(
         f"fullshard train: {cfg.resolved_name()} | {kind}, {n_params / 1e6:.2f}M parameters | "
-        f"{env.world_size} rank(s) on {env.device.type} | global batch {cfg.global_batch} x "
+        f"{env.world_size} rank(s) on {env.device.type}, mesh {env.degrees.describe()} | "
+        f"global batch {cfg.global_batch} x "
         f"{cfg.seq_len} tokens (micro {cfg.micro_batch}, accumulation {accum}) | "
         f"{data_mod.describe_source(cfg.data)}: {len(tokens):,} tokens | run dir {run_dir}",
         flush=True,
@@ -335,6 +361,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             "start",
             step=start_step,
             world_size=env.world_size,
+            degrees=list(env.degrees.shape),
             resumed_from=str(resume_from) if resume_from else None,
             parameters=n_params,
         )
@@ -362,6 +389,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             "sampler": sampler.state_dict(),
             "scaler": scaler.state_dict(),
             "world_size": env.world_size,
+            "degrees": list(env.degrees.shape),  # dp_replicate, dp_shard, tp
             "skipped_steps": skipped_total,
             "model": model_description,  # what fullshard ckpt export --hf writes as config.json
         }
@@ -390,13 +418,14 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        mine_rows = data_mod.rank_slice(cfg.global_batch, env.rank, env.world_size)
+        mine_rows = data_mod.rank_slice(cfg.global_batch, env.dp_rank, env.dp_size)
         global_starts = sampler.next_batch()
         # [Note: loss over the global batch] the mean over every learned target of the global
         # batch (each rank can count them: it knows every start), so masked targets and the
-        # number of ranks do not change the math; x world size undoes the gradient averaging.
+        # number of ranks do not change the math; x the data-parallel size undoes the gradient
+        # averaging (over dp_replicate x dp_shard; TP ranks of one group hold one batch part).
         n_targets = data_mod.count_targets(data.train_mask, global_starts, cfg.seq_len)
-        weight = env.world_size / max(n_targets, 1)
+        weight = env.dp_size / max(n_targets, 1)
         inputs, targets = data_mod.gather_batch(
             data.train, data.train_mask, global_starts[mine_rows], cfg.seq_len
         )

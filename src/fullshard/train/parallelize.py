@@ -1,9 +1,14 @@
 """Apply fullshard to a model from outside, the torchtitan way (models stay parallelism-free).
 
-Order matters and is bottom-up: activation checkpointing and ``torch.compile`` per layer
-first (they change how a layer runs, not its parameters or names), then ``fully_shard`` on each
-layer, on the input embeddings when they are not tied to the output head, and last on the
-root, which takes every parameter left (embeddings, final norm, head).
+Order matters and is bottom-up: tensor parallelism per layer first (``--tp``: parameters
+become TP DTensors, see :mod:`fullshard.train.tp`), then activation checkpointing and
+``torch.compile`` per layer (they change how a layer runs, not its parameters or names), then
+``fully_shard`` on each layer, on the input embeddings when they are not tied to the output
+head, and last on the root, which takes every parameter left (embeddings, final norm, head).
+
+The mesh (:func:`build_mesh`) is ``(dp_replicate, dp_shard, tp)`` from ``init_device_mesh``;
+``fully_shard`` gets its data-parallel part: ``mesh["dp_shard"]`` (ZeRO-3) or, with
+``--dp-replicate`` above 1, the 2-D ``mesh["dp_replicate", "dp_shard"]`` (HSDP).
 """
 
 from __future__ import annotations
@@ -13,13 +18,31 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from fullshard.train.degrees import MESH_DIM_NAMES, Degrees
 from fullshard.train.models import Units
 
-__all__ = ["ParallelPlan", "parallelize"]
+__all__ = ["Meshes", "ParallelPlan", "build_mesh", "parallelize"]
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The job's mesh and the parts of it each parallelism uses."""
+
+    full: DeviceMesh  # (dp_replicate, dp_shard, tp)
+    dp: DeviceMesh  # what fully_shard gets: 1-D dp_shard, or 2-D (dp_replicate, dp_shard)
+    tp: DeviceMesh | None  # None when --tp 1
+
+
+def build_mesh(degrees: Degrees, device_type: str) -> Meshes:
+    """``init_device_mesh`` over every rank of the job, shaped by ``degrees``."""
+    full = init_device_mesh(device_type, degrees.shape, mesh_dim_names=MESH_DIM_NAMES)
+    dp = full["dp_replicate", "dp_shard"] if degrees.replicate > 1 else full["dp_shard"]
+    return Meshes(full=full, dp=dp, tp=full["tp"] if degrees.tp > 1 else None)
+
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,7 +52,7 @@ class ParallelPlan:
     """How to shard: the trainer's flags, in one place."""
 
     mixed_precision: str = "fp32"  # fp32 | bf16 | fp16
-    reshard_after_forward: str = "auto"  # auto | true | false
+    reshard_after_forward: str = "auto"  # auto | true | false | an int K (as text)
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
@@ -45,9 +68,12 @@ class ParallelPlan:
         """CPU offload of sharded states, or none."""
         return CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
 
-    def reshard(self) -> bool | None:
-        """``reshard_after_forward`` for fully_shard (``None``: FSDP2's default)."""
-        return {"auto": None, "true": True, "false": False}[self.reshard_after_forward]
+    def reshard(self) -> bool | int | None:
+        """``reshard_after_forward`` for fully_shard (``None``: FSDP2's default; an int K:
+        a copy sharded over K ranks)."""
+        named = {"auto": None, "true": True, "false": False}
+        text = self.reshard_after_forward.strip()
+        return named[text] if text in named else int(text)
 
 
 def _checkpointed(layer: nn.Module) -> None:
@@ -59,9 +85,19 @@ def _checkpointed(layer: nn.Module) -> None:
 
 
 def parallelize(
-    model: nn.Module, units: Units, plan: ParallelPlan, *, mesh: DeviceMesh | None = None
+    model: nn.Module,
+    units: Units,
+    plan: ParallelPlan,
+    *,
+    mesh: DeviceMesh | None = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """Shard ``model`` in place (layers, untied embeddings, then the root) over ``mesh``."""
+    """Shard ``model`` in place over the data-parallel ``mesh`` (layers, untied embeddings,
+    then the root), after splitting its blocks over ``tp_mesh`` when given."""
+    if tp_mesh is not None:
+        from fullshard.train.tp import apply_tp
+
+        apply_tp(model, units.layers, tp_mesh)
     for layer in units.layers:
         if plan.activation_checkpointing:
             _checkpointed(layer)
