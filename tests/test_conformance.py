@@ -166,6 +166,43 @@ def _process_group_allocator(shard: Callable[..., Any]) -> dict[str, Any]:
     return {"losses": losses}
 
 
+class _WithRoot(nn.Module):
+    """Blocks as units under a root that owns parameters of its own (the head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.blocks = _mlp(3, seed=2)
+        self.head = nn.Linear(DIM, 8192)  # 512 KiB: gathered in pieces off the tool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _comm_debug_mode(shard: Callable[..., Any]) -> dict[str, Any]:
+    """torch's CommDebugMode counts the collectives of a forward and of a backward; the
+    engine runs FSDP2's collectives while it is active (sizes above and below the CPU
+    path's thresholds, resharding after forward or not)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    out: dict[str, Any] = {}
+    for raf in (True, False):
+        model = _WithRoot()
+        for lin in model.blocks:
+            shard(lin, reshard_after_forward=raf)
+        shard(model, reshard_after_forward=raf)
+        for step in range(2):  # the second step runs with the lazy init done
+            with CommDebugMode() as fwd:
+                loss = model(_data(step)).sum()
+            with CommDebugMode() as bwd:
+                loss.backward()
+            out[f"raf={raf} step {step}"] = [
+                {str(k): v for k, v in mode.get_comm_counts().items()} for mode in (fwd, bwd)
+            ]
+        out[f"raf={raf} grads"] = [_full(p.grad) for p in model.parameters()]  # type: ignore[arg-type]
+    return out
+
+
 def _mesh_dims_errors(shard: Callable[..., Any]) -> dict[str, Any]:
     """dp_mesh_dims refusals: the exception type and FSDP2's message (first line)."""
     world = dist.get_world_size()
@@ -190,6 +227,7 @@ CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "output_dtype_under_recompute": _output_dtype_under_recompute,
     "process_group_allocator": _process_group_allocator,
     "mesh_dims_errors": _mesh_dims_errors,
+    "comm_debug_mode": _comm_debug_mode,
 }
 ONE_RANK_CASES = {"divide_factor_one_rank": _divide_factor_one_rank}
 
@@ -223,13 +261,21 @@ def _same(ours: Any, theirs: Any, where: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["optimizer_in_backward", "output_dtype_under_recompute", "process_group_allocator"]
+    "case",
+    [
+        "optimizer_in_backward",
+        "output_dtype_under_recompute",
+        "process_group_allocator",
+        "comm_debug_mode",
+    ],
 )
 def test_same_as_fsdp2(case: str, two_ranks) -> None:
     ours, theirs = two_ranks[(case, "fullshard")], two_ranks[(case, "fsdp2")]
     _same(ours, theirs, case)
     if case == "optimizer_in_backward":  # the hooks ran: every parameter, every step
         assert len(ours["calls"]) == 3 * 6 and all(ours["grads_left"])
+    if case == "comm_debug_mode":  # the tool saw collectives at all
+        assert ours["raf=True step 1"][0] == {"c10d._allgather_base_": 4}
     if case == "output_dtype_under_recompute":
         assert ours["seen"] == [torch.float32, torch.float32]
 

@@ -23,6 +23,16 @@ Byte accounting ("bytes on the wire" as the ZeRO papers count them): an all-gath
 full output, a reduce-scatter its full input, an all-reduce its tensor. With this convention
 ZeRO-3 moves 3 x parameter bytes per step (two all-gathers and one reduce-scatter).
 
+[Note: collectives under torch's tools]
+torch's ``CommDebugMode`` counts the c10d collectives it sees dispatched; a p2p exchange, a
+unit that takes back its own gathered memory instead of gathering again, or an all-reduce
+standing for a reduce-scatter would show it counts that differ from FSDP2's. While one is
+active on this thread (:func:`watched_by_torch_tools`), the engine runs the collectives FSDP2
+runs: one packed all-gather per unit gather, one reduce-scatter per unit reduction (plus the
+all-reduce across replicas), so the tool's counts, and a profiler trace's
+``record_param_comms`` ranges, are FSDP2's. Results are the same bit for bit on either path;
+only speed differs. Every rank must enter the tool alike (as any SPMD code).
+
 A group of size 1 issues nothing: all-gather and reduce-scatter become local copies and the
 all-reduce a no-op, so world size 1 runs the same code path without communication.
 """
@@ -39,6 +49,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 __all__ = [
     "CollectiveError",
@@ -49,9 +61,16 @@ __all__ = [
     "all_reduce",
     "count_collectives",
     "reduce_scatter",
+    "watched_by_torch_tools",
 ]
 
 ProcessGroup = dist.ProcessGroup
+
+
+def watched_by_torch_tools() -> bool:
+    """Whether torch's ``CommDebugMode`` is active on this thread: then the engine runs
+    FSDP2's collectives (see [Note: collectives under torch's tools])."""
+    return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 
 @dataclass(frozen=True)
@@ -286,6 +305,8 @@ def _algorithm(
         raise ValueError(f"{kind}: unknown algorithm {requested!r}; choose from {known}")
     if requested != "auto":
         return requested
+    if watched_by_torch_tools():
+        return kind
     if "gloo" not in str(dist.get_backend(group)) or device.type != "cpu":
         return kind
     size = dist.get_world_size(group)

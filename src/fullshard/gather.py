@@ -69,7 +69,8 @@ def _offload_event(g: ParamGroup) -> None:
 def start_gather(g: ParamGroup) -> PendingGather:
     """Issue the all-gather of ``g``'s parameters the way its transport says."""
     g.check_materialised()
-    if g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
+    watched = C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
+    if not watched and g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
         buf = g.unsharded_buf
         assert buf is not None
         # nbytes: what the all-gather would have counted (its full output)
@@ -77,7 +78,8 @@ def start_gather(g: ParamGroup) -> PendingGather:
         return PendingGather(C.Handle(None), None, None)
     _offload_event(g)
     in_pieces = (
-        g.transport.gathers_in_pieces
+        not watched
+        and g.transport.gathers_in_pieces
         and g.overrides.all_gather is None  # a custom all-gather takes packed buffers
         and g.post_forward_chunk is None
         and g.wire_gather_dtype() == g.compute_dtype()

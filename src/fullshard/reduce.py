@@ -212,7 +212,8 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     pre = math.sqrt(factor) if dtype == torch.float16 else 1.0
     hsdp = g.info.replicate_size > 1
     in_pieces = (
-        g.transport.reduces_in_pieces
+        not C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
+        and g.transport.reduces_in_pieces
         and g.overrides.reduce_scatter is None  # a custom reduce-scatter takes packed buffers
         and pre == 1.0
         and all(grad.dtype == dtype and grad.is_contiguous() for _, grad in ready)
