@@ -1,4 +1,4 @@
-"""``fullshard bench``: fullshard vs torch FSDP2 vs DDP vs one process, side by side.
+"""``fullshard bench``: fullshard vs torch FSDP2 vs DeepSpeed vs DDP vs one process, side by side.
 
 Examples::
 
@@ -8,6 +8,11 @@ Examples::
     fullshard bench --config overhead     # engine CPU cost per unit per step, 1 and 2 ranks
     fullshard bench --all --markdown out.md
     fullshard bench --config optim --nproc 4  # WholeTensor(Muon) vs AdamW vs naive, per step
+    fullshard bench --config comm --modes fullshard deepspeed single  # vs DeepSpeed ZeRO-3
+
+The ``deepspeed`` mode needs the ``peers`` extra (``pip install 'fullshard[peers]'``): without
+it, runs that include it by default skip it and say how to install it; asking for it with
+``--modes`` exits with status 2 and that line.
 """
 
 from __future__ import annotations
@@ -17,13 +22,20 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from fullshard.bench.configs import ALL_MODES, CONFIGS, OVERHEAD_MODES, BenchConfig, get_config
+from fullshard.bench.configs import (
+    ALL_MODES,
+    CONFIGS,
+    OVERHEAD_MODES,
+    PEER_MODES,
+    BenchConfig,
+    get_config,
+)
 from fullshard.bench.report import markdown, table
 
 if TYPE_CHECKING:
     from fullshard.bench.overhead import OverheadConfig
 
-__all__ = ["fullshard_available", "main", "run"]
+__all__ = ["fullshard_available", "main", "missing_peers", "run"]
 
 
 def fullshard_available() -> str | None:
@@ -33,6 +45,14 @@ def fullshard_available() -> str | None:
     except ImportError as e:
         return f"fullshard.fully_shard is not importable ({e})"
     return None
+
+
+def missing_peers(cfgs: list[BenchConfig]) -> dict[str, str]:
+    """Peer modes the configs run that cannot run here -> why, with the one-line install."""
+    from fullshard.peers import peer_missing
+
+    wanted = dict.fromkeys(m for cfg in cfgs for m in cfg.modes if m in PEER_MODES)
+    return {m: why for m in wanted if (why := peer_missing(m)) is not None}
 
 
 def _integer(text: str, low: int, what: str) -> int:
@@ -56,8 +76,8 @@ def _non_negative(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fullshard bench",
-        description="Train the same GPT, data and seed under fullshard, torch FSDP2, DDP, one "
-        "process and a no-communication floor, alternating modes over repeats on local gloo "
+        description="Train the same GPT, data and seed under fullshard, torch FSDP2, DeepSpeed "
+        "ZeRO-3 (the peers extra), DDP, one process and a no-communication floor, alternating modes over repeats on local gloo "
         "ranks; report step time, tokens/s, ratios, peak RSS per rank, collective traffic vs "
         "ZeRO-3 theory, exposed communication, and a loss check.",
     )
@@ -171,13 +191,14 @@ def run(cfgs: list[BenchConfig], *, timeout: float, quiet: bool = False) -> dict
 
     from fullshard.bench.runner import machine_info, run_config  # imports torch
 
-    skipped: dict[str, str] = {}
+    skipped: dict[str, str] = missing_peers(cfgs)
     why = fullshard_available()
+    if why is not None:
+        skipped["fullshard"] = why
     runs = []
     for cfg in cfgs:
-        if why is not None and "fullshard" in cfg.modes:
-            skipped["fullshard"] = why
-            cfg = cfg.replace(modes=tuple(m for m in cfg.modes if m != "fullshard"))
+        if any(m in skipped for m in cfg.modes):
+            cfg = cfg.replace(modes=tuple(m for m in cfg.modes if m not in skipped))
         for n in cfg.nprocs:
             runs.append(run_config(cfg, n, timeout=timeout, log=log))
     return {"machine": machine_info(), "argv": sys.argv[1:], "skipped": skipped, "runs": runs}
@@ -200,6 +221,11 @@ def main(argv: list[str]) -> int:
         cfgs = [_configure(args, n) for n in names]
     except ValueError as e:
         print(f"fullshard bench: {e}", file=sys.stderr)
+        return 2
+    asked = missing_peers(cfgs) if args.modes else {}
+    if asked:  # asked for by name: say how to get it instead of running without it
+        for mode, why in asked.items():
+            print(f"fullshard bench: mode {mode}: {why}", file=sys.stderr)
         return 2
     results = run(cfgs, timeout=args.timeout, quiet=args.json)
     for mode, why in results["skipped"].items():

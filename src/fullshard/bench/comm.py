@@ -4,8 +4,10 @@ Bytes are the full (unsharded) buffer of each collective — the all-gather's ou
 reduce-scatter's input, the all-reduce's tensor — so ZeRO-3's theory is 3 x parameter bytes per
 step (all-gather in forward and in backward, reduce-scatter in backward) and DDP's is 1 x.
 
-Python-level engines (torch FSDP2, and fullshard unless its own counter answers) are metered by
-wrapping the ``torch.distributed`` functions they call at call time. Time blocked is the wall time
+Python-level engines (torch FSDP2, DeepSpeed, and fullshard unless its own counter answers) are
+metered by wrapping the ``torch.distributed`` functions they call at call time, and the
+references to them an engine bound at start-up (DeepSpeed's torch backend holds its all-gather
+and reduce-scatter functions). Time blocked is the wall time
 spent inside those calls plus inside ``Work.wait()``. DDP issues its all-reduces from C++, so its
 calls and bytes come from its reducer's bucket layout and its blocked time is not observable.
 """
@@ -13,7 +15,7 @@ calls and bytes come from its reducer's bucket layout and its blocked time is no
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,7 +46,7 @@ class CommMeter:
         self.calls = dict.fromkeys(KINDS, 0)
         self.bytes = dict.fromkeys(KINDS, 0)
         self.blocked_s = 0.0
-        self._orig: dict[str, Callable[..., Any]] = {}
+        self._orig: list[tuple[Any, str, Callable[..., Any]]] = []  # (owner, attribute, original)
         self._orig_wait: Any = None
 
     def reset(self) -> None:
@@ -53,6 +55,7 @@ class CommMeter:
         self.blocked_s = 0.0
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (``torch.distributed``'s function ``name``, or a reference to it) counted."""
         kind, idx, kw = _PATCHED[name]
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -68,12 +71,16 @@ class CommMeter:
         counted.__wrapped__ = fn  # type: ignore[attr-defined]
         return counted
 
-    def install(self) -> CommMeter:
-        for name in _PATCHED:
-            fn = getattr(dist, name, None)
+    def install(self, also: Iterable[tuple[Any, str, str]] = ()) -> CommMeter:
+        """Wrap ``torch.distributed``'s collectives, and each ``(owner, attribute, name)`` in
+        ``also``: a reference to the collective ``name`` that an engine bound at start-up (it
+        never looks the function up again, so wrapping ``torch.distributed`` misses it)."""
+        targets = [(dist, name, name) for name in _PATCHED] + list(also)
+        for owner, attr, name in targets:
+            fn = getattr(owner, attr, None)
             if fn is not None:
-                self._orig[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
+                self._orig.append((owner, attr, fn))
+                setattr(owner, attr, self._wrap(name, fn))
         work_cls = dist.distributed_c10d.Work
         orig_wait = work_cls.wait
         self._orig_wait = orig_wait
@@ -92,8 +99,8 @@ class CommMeter:
         return self
 
     def uninstall(self) -> None:
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
+        for owner, attr, fn in reversed(self._orig):
+            setattr(owner, attr, fn)
         self._orig.clear()
         if self._orig_wait is not None:
             dist.distributed_c10d.Work.wait = self._orig_wait  # type: ignore[method-assign]

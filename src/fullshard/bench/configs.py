@@ -8,13 +8,19 @@ from dataclasses import dataclass
 # Modes of ``fullshard bench --config overhead`` (fullshard.bench.overhead).
 OVERHEAD_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "bare")
 
-__all__ = ["ALL_MODES", "CONFIGS", "BenchConfig", "get_config"]
+__all__ = ["ALL_MODES", "CONFIGS", "PEER_MODES", "SHARDED_MODES", "BenchConfig", "get_config"]
 
 #: Every mode ``fullshard bench`` knows, in the order tables list them.
 #: ``nocomm`` trains an unsynchronised replica per rank on the rank's slice of the batch: the same
 #: per-rank compute with no communication at all, the floor the other modes are measured against
 #: (exposed communication = step time - nocomm step time).
-ALL_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "ddp", "single", "nocomm")
+#: ``deepspeed`` is DeepSpeed ZeRO stage 3 with its defaults (``fullshard.peers``), from the
+#: optional ``peers`` extra: where it is not installed, runs skip it and say how to install it.
+ALL_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "deepspeed", "ddp", "single", "nocomm")
+#: Modes whose engine comes from an optional extra (``fullshard.peers.peer_missing`` says).
+PEER_MODES: tuple[str, ...] = ("deepspeed",)
+#: ZeRO-3 modes: 3 x parameter bytes on the wire per step in theory.
+SHARDED_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "deepspeed")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,9 +101,9 @@ CONFIGS: dict[str, BenchConfig] = {
         warmup=1,
         repeats=1,
         nprocs=(1, 2, 4),
-        modes=("fullshard", "fsdp2", "ddp"),
+        modes=("fullshard", "fsdp2", "deepspeed", "ddp"),
     ),
-    # Seconds, for tests and smoke runs.
+    # Seconds, for tests and smoke runs (DeepSpeed's start-up alone takes longer: ask for it).
     "tiny": BenchConfig(
         name="tiny",
         n_layer=2,
@@ -108,6 +114,7 @@ CONFIGS: dict[str, BenchConfig] = {
         steps=3,
         warmup=1,
         repeats=1,
+        modes=tuple(m for m in ALL_MODES if m not in PEER_MODES),
     ),
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 __all__ = ["TARGETS", "markdown", "table", "verdicts"]
@@ -42,6 +43,7 @@ def _rows(run: dict[str, Any]) -> list[list[str]]:
                 f"{m['step_s_median']:.3f} ({m['step_s_min']:.3f}-{m['step_s_max']:.3f})",
                 f"{m['tokens_per_s']:.0f}",
                 _f(m["ratio_vs_fsdp2"], "{:.2f}"),
+                _f(m.get("ratio_vs_deepspeed"), "{:.2f}"),
                 _f(m["ratio_vs_ddp"], "{:.2f}"),
                 " / ".join(f"{x:.0f}" for x in m["peak_rss_mib_per_rank"]),
                 calls,
@@ -60,6 +62,7 @@ HEADER = [
     "s/step median (min-max)",
     "tokens/s",
     "vs FSDP2",
+    "vs DeepSpeed",
     "vs DDP",
     "peak RSS MiB per rank",
     "calls/step AG / RS / AR",
@@ -82,6 +85,22 @@ def _loss_line(run: dict[str, Any]) -> str:
     )
 
 
+def _engine_lines(run: dict[str, Any]) -> list[str]:
+    """Each peer engine's version, the config it was given and its resolved ZeRO knobs."""
+    out = []
+    for mode, m in run["modes"].items():
+        e = m.get("engine")
+        if e:
+            shown = ", ".join(
+                f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in e["shown"].items()
+            )
+            out.append(
+                f"{mode}: {e['engine']}, config {json.dumps(e['config'], sort_keys=True)}; "
+                f"ZeRO defaults as resolved: {shown}"
+            )
+    return out
+
+
 def _title(run: dict[str, Any]) -> str:
     c = run["config"]
     return (
@@ -102,6 +121,7 @@ def table(run: dict[str, Any]) -> str:
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append(_loss_line(run))
+    lines += _engine_lines(run)
     lines += [f"  {v}" for v in verdicts(run)]
     return "\n".join(lines)
 
@@ -112,6 +132,7 @@ def markdown(run: dict[str, Any]) -> str:
     lines.append("|" + "---|" * len(HEADER))
     lines += ["| " + " | ".join(r) + " |" for r in _rows(run)]
     lines += ["", _loss_line(run) + "."]
+    lines += [f"\n{x}." for x in _engine_lines(run)]
     v = verdicts(run)
     if v:
         lines += [""] + [f"- {x}" for x in v]
@@ -119,11 +140,27 @@ def markdown(run: dict[str, Any]) -> str:
 
 
 def verdicts(run: dict[str, Any]) -> list[str]:
-    """fullshard against its targets, saying by how much it misses where it does."""
+    """fullshard against its targets (FSDP2), saying by how much it misses where it does, and
+    against DeepSpeed ZeRO-3 where that ran (no target: a peer's numbers, stated)."""
     modes = run["modes"]
-    if "fullshard" not in modes or "fsdp2" not in modes:
+    if "fullshard" not in modes:
         return []
-    fs, ref = modes["fullshard"], modes["fsdp2"]
+    fs = modes["fullshard"]
+    out = _fsdp2_verdicts(run, fs, modes["fsdp2"]) if "fsdp2" in modes else []
+    c = fs["comm"]
+    if c is not None and c["bytes_vs_theory"] is not None:
+        out.append(f"bytes on the wire {c['bytes_vs_theory']:.3f}x the ZeRO-3 theory (3 x params)")
+    ds = modes.get("deepspeed")
+    if ds is not None:
+        dm = fs["peak_rss_mib_max"] - ds["peak_rss_mib_max"]
+        out.append(
+            f"against DeepSpeed ZeRO-3: step time {fs['ratio_vs_deepspeed']:.2f}x, peak RSS "
+            f"{abs(dm):.0f} MiB {'below' if dm <= 0 else 'above'} DeepSpeed's"
+        )
+    return out
+
+
+def _fsdp2_verdicts(run: dict[str, Any], fs: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     out = []
     name = run["config"]["name"]
     if name in TARGETS and run["nproc"] > 1:
@@ -143,9 +180,6 @@ def verdicts(run: dict[str, Any]) -> list[str]:
             f"peak RSS {dm:.0f} MiB ({dm / ref['peak_rss_mib_max'] * 100:.1f}%) above FSDP2's: "
             "MISSES the <= FSDP2 target"
         )
-    c = fs["comm"]
-    if c is not None and c["bytes_vs_theory"] is not None:
-        out.append(f"bytes on the wire {c['bytes_vs_theory']:.3f}x the ZeRO-3 theory (3 x params)")
     return out
 
 

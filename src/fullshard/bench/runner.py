@@ -19,15 +19,17 @@ from dataclasses import asdict
 from typing import Any
 
 from fullshard.bench.comm import KINDS
-from fullshard.bench.configs import BenchConfig
+from fullshard.bench.configs import SHARDED_MODES, BenchConfig
 from fullshard.bench.worker import run_rank
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.testing import run_distributed
 
-__all__ = ["LOSS_RTOL", "aggregate", "alternate", "machine_info", "run_config"]
+__all__ = ["LOSS_RTOL", "RATIO_PEERS", "aggregate", "alternate", "machine_info", "run_config"]
 
 #: Relative loss tolerance against the reference (single process) at every step, fp32.
 LOSS_RTOL = 1e-5
+#: Every mode's step time is also given as a ratio to each of these (``ratio_vs_<peer>``).
+RATIO_PEERS: tuple[str, ...] = ("fsdp2", "deepspeed", "ddp")
 
 _MIB = 2**20
 
@@ -142,7 +144,7 @@ def aggregate(
         setup = [max(rs[r]["rss_after_setup_bytes"] for rs in repeats) / _MIB for r in range(world)]
         runtime = [min(rs[r]["rss_runtime_bytes"] for rs in repeats) / _MIB for r in range(world)]
         comm = repeats[-1][0]["comm"]
-        sharded = mode in ("fsdp2", "fullshard")
+        sharded = mode in SHARDED_MODES
         theory = (3 if sharded else 1 if mode == "ddp" else 0) * param_bytes if world > 1 else 0
         comm_out: dict[str, Any] | None = None
         if comm is not None:
@@ -173,9 +175,10 @@ def aggregate(
             "peak_above_runtime_mib_max": max(p - b for p, b in zip(peak, runtime)),
             "comm": comm_out,
             "losses": _loss_curve(repeats[0]),
+            "engine": repeats[0][0].get("engine"),  # a peer engine's version and config
         }
     for mode, m in modes.items():
-        for peer in ("fsdp2", "ddp"):
+        for peer in RATIO_PEERS:
             m[f"ratio_vs_{peer}"] = (
                 m["step_s_median"] / modes[peer]["step_s_median"] if peer in modes else None
             )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import os
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.bench.comm import KINDS, CommMeter, ddp_comm_per_step
-from fullshard.bench.configs import BenchConfig
+from fullshard.bench.configs import PEER_MODES, BenchConfig
 from fullshard.memory.tracker import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from fullshard.models import GPT, GPTConfig
 from fullshard.optim import local_step
-from fullshard.peers import load_fully_shard
+from fullshard.peers import load_fully_shard, load_peer
 
-__all__ = ["corpus", "make_batches", "make_optimizer", "model_config", "run_rank", "wrap"]
+__all__ = [
+    "Trainee",
+    "corpus",
+    "make_batches",
+    "make_optimizer",
+    "model_config",
+    "run_rank",
+    "train_with",
+    "wrap",
+]
 
 
 def model_config(cfg: BenchConfig) -> GPTConfig:
@@ -97,6 +107,35 @@ def make_optimizer(net: nn.Module, cfg: BenchConfig, mode: str) -> torch.optim.O
     return opt
 
 
+@dataclass(frozen=True)
+class Trainee:
+    """What the training loop calls, whoever owns forward, backward and the optimizer step."""
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor], None]
+    step: Callable[[], None]
+    """The optimizer step, then the gradients zeroed (set to ``None``)."""
+    peer: Any = None
+    """A whole-engine peer (``fullshard.peers.load_peer``), for its meter hooks and config."""
+
+
+def train_with(model: GPT, cfg: BenchConfig, mode: str, micro_batch: int) -> Trainee:
+    """``mode``'s parallelism and optimizer around ``model``: ``fully_shard`` / DDP applied from
+    outside and the AdamW stepped by the loop, or a peer engine that takes both and owns its
+    backward and step (DeepSpeed, with the same AdamW)."""
+    if mode in PEER_MODES:
+        engine = load_peer(mode).ZeRO3(model, make_optimizer(model, cfg, mode), micro_batch)
+        return Trainee(engine, engine.backward, engine.step, engine)
+    net = wrap(model, mode, cfg.reshard_after_forward, cfg.transport)
+    opt = make_optimizer(net, cfg, mode)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Trainee(net, torch.Tensor.backward, step)
+
+
 class _EngineMeter:
     """fullshard's own recorder (``fullshard.count_collectives``) behind :class:`CommMeter`'s API.
 
@@ -125,7 +164,7 @@ class _EngineMeter:
         }
 
 
-def _meter(mode: str) -> Any:
+def _meter(mode: str, trainee: Trainee) -> Any:
     if mode == "fullshard":
         try:
             return _EngineMeter()
@@ -133,6 +172,8 @@ def _meter(mode: str) -> Any:
             return CommMeter().install()
     if mode == "fsdp2":
         return CommMeter().install()
+    if trainee.peer is not None:
+        return CommMeter().install(also=trainee.peer.cached_collectives())
     return None
 
 
@@ -150,6 +191,8 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
     }
     cfg = BenchConfig(**fields)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if mode in PEER_MODES:  # the engine's libraries are runtime, not model memory
+        load_peer(mode).load()
     gc.collect()
     rss_runtime = current_rss_bytes()  # interpreter + torch + gloo, before any model memory
     micro = ref_world if mode == "single" else 1
@@ -162,9 +205,8 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
     model = GPT(model_config(cfg))
     n_params = model.num_parameters()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    net = wrap(model, mode, cfg.reshard_after_forward, cfg.transport)
-    opt = make_optimizer(net, cfg, mode)
-    meter = _meter(mode)
+    trainee = train_with(model, cfg, mode, global_batch // world // micro)
+    meter = _meter(mode, trainee)
     gc.collect()
     dist.barrier()
     rss_setup = current_rss_bytes()
@@ -180,12 +222,11 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
         step_loss = 0.0
         for mb in slices:
             x, y = mb[step]
-            logits = net(x)
+            logits = trainee.forward(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-            (loss / micro if micro > 1 else loss).backward()
+            trainee.backward(loss / micro if micro > 1 else loss)
             step_loss += float(loss.detach()) / micro
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        trainee.step()
         times.append(time.perf_counter() - t0)
         losses.append(step_loss)
     timed = cfg.steps - cfg.warmup
@@ -200,9 +241,10 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
             "fullshard.count_collectives"
             if isinstance(meter, _EngineMeter)
             else "torch.distributed wrappers"
+            + (" and the engine's bound collectives" if trainee.peer is not None else "")
         )
     elif mode == "ddp":
-        comm = ddp_comm_per_step(net)
+        comm = ddp_comm_per_step(trainee.forward)
         comm["source"] = "DDP reducer buckets"
     return {
         "rank": rank,
@@ -220,4 +262,5 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
         "param_bytes": param_bytes,
         "comm": comm,
         "config": asdict(cfg),
+        "engine": trainee.peer.describe() if trainee.peer is not None else None,
     }
