@@ -203,6 +203,26 @@ def _comm_debug_mode(shard: Callable[..., Any]) -> dict[str, Any]:
     return out
 
 
+def _forward_mode_ad(shard: Callable[..., Any]) -> dict[str, Any]:
+    """torch.func.jvp through a sharded forward (FSDP2 supports it since torch 2.13), then
+    a training step as usual; the primal and tangent equal the unsharded model's."""
+    model, ref = _mlp(seed=3), _mlp(seed=3)
+    for lin in model:
+        shard(lin)
+    shard(model)
+    x, tangent = _data(0), _data(1)
+    out, jvp_out = torch.func.jvp(model, (x,), (tangent,))
+    ref_out, ref_jvp = torch.func.jvp(ref, (x,), (tangent,))
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(jvp_out, ref_jvp)
+    model(x).sum().backward()
+    return {
+        "primal": out.detach(),
+        "tangent": jvp_out.detach(),
+        "grads": [_full(p.grad) for p in model.parameters()],
+    }  # type: ignore[arg-type]
+
+
 def _mesh_dims_errors(shard: Callable[..., Any]) -> dict[str, Any]:
     """dp_mesh_dims refusals: the exception type and FSDP2's message (first line)."""
     world = dist.get_world_size()
@@ -228,6 +248,7 @@ CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "process_group_allocator": _process_group_allocator,
     "mesh_dims_errors": _mesh_dims_errors,
     "comm_debug_mode": _comm_debug_mode,
+    "forward_mode_ad": _forward_mode_ad,
 }
 ONE_RANK_CASES = {"divide_factor_one_rank": _divide_factor_one_rank}
 
@@ -267,6 +288,7 @@ def _same(ours: Any, theirs: Any, where: str) -> None:
         "output_dtype_under_recompute",
         "process_group_allocator",
         "comm_debug_mode",
+        "forward_mode_ad",
     ],
 )
 def test_same_as_fsdp2(case: str, two_ranks) -> None:

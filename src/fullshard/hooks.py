@@ -16,6 +16,7 @@ One training step as the hooks see it (docs/design.md has the whole picture):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,6 +45,16 @@ def _cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
     return tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree
     )
+
+
+def _outside_functorch() -> contextlib.AbstractContextManager[Any]:
+    """Run the engine's own work (lazy init, gathers, resharding) outside any ``torch.func``
+    transform (``jvp``, ``vmap``): its buffers and collectives are plain tensors, which the
+    transform would otherwise wrap (a wrapper has no storage to free). The module's forward
+    still runs inside the transform, with the gathered parameters as its constants."""
+    if torch._C._are_functorch_transforms_active():
+        return torch._C._DisableFuncTorch()
+    return contextlib.nullcontext()
 
 
 STATE_ATTR = "_fullshard_state"  # where a unit module keeps its FSDPState (in __dict__)
@@ -117,12 +128,17 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Forward pre-hook: lazy init, unshard, prefetch, cast inputs."""
-        ctx = self._context()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        with _outside_functorch():
+            self._unshard_for_forward()
+        return args, kwargs
+
+    def _unshard_for_forward(self) -> None:
+        ctx = self._context()
         if _in_backward():  # recomputation under activation checkpointing
             self.group.wait_for_unshard()
-            return args, kwargs
+            return
         if self.is_root and self.training_state is TrainingState.IDLE:
             ctx.begin_forward()
         self.training_state = TrainingState.FORWARD
@@ -136,7 +152,6 @@ class FSDPState:
             nxt.group.unshard()
         self.group.wait_for_unshard()
         emit("forward_start", self.name)
-        return args, kwargs
 
     @torch.compiler.disable
     def post_forward(
@@ -145,8 +160,18 @@ class FSDPState:
         """Forward hook: reshard per policy, hook outputs for pre-backward, cast outputs."""
         if _in_backward():  # recomputation: the same outputs as the forward's, cast alike
             return _cast_floats(output, self.mp_policy.output_dtype)
-        ctx = self._context()
         emit("forward_end", self.name)
+        with _outside_functorch():
+            self._reshard_after_forward()
+        if torch.is_grad_enabled() and not self.group.transport.local:
+            tensors, _ = tree_flatten(output)
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        return _cast_floats(output, self.mp_policy.output_dtype)
+
+    def _reshard_after_forward(self) -> None:
+        ctx = self._context()
         self._post_forward_calls += 1
         # A local unit ([Note: a shard group of one rank] in fullshard.group) frees nothing by
         # resharding: it stays unsharded until its backward is done (as reshard_after_forward
@@ -166,12 +191,6 @@ class FSDPState:
                 self.group.reshard_partial()
             if self.training_state is TrainingState.FORWARD:
                 self.training_state = TrainingState.IDLE
-        if torch.is_grad_enabled() and not local:
-            tensors, _ = tree_flatten(output)
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
-        return _cast_floats(output, self.mp_policy.output_dtype)
 
     # -------------------------------------------------------------------------- backward
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
