@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fullshard.memory.cluster_cli import HF_SHAPES
+from fullshard.memory.cluster_cli import add_arguments as add_cluster_arguments
 from fullshard.memory.engines import ENGINES
 
 if TYPE_CHECKING:
@@ -140,7 +142,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, help="micro-batch per rank (sequences)")
     r.add_argument("--seq", type=int, help="sequence length")
     r.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum"], default="adamw")
-    r.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    r.add_argument(
+        "--ac",
+        nargs="?",
+        const="full",
+        choices=["none", "selective", "full"],
+        help="activation checkpointing per block: full (bare --ac), selective (torchtitan's op "
+        "policy) or none",
+    )
     r.add_argument("--no-reshard-after-forward", action="store_true")
     r.add_argument("--units", choices=["block", "model"], default="block")
     r.add_argument(
@@ -150,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         help="whose buffers to model: fullshard on gloo/CPU (default), fullshard on NCCL, or "
         "torch FSDP2",
     )
+    add_cluster_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--budget", help="per-rank memory budget (e.g. 16GiB): recommend what fits")
     o.add_argument("--timeline", action="store_true", help="print every event of the step")
@@ -174,7 +184,7 @@ def _dtype(name: str) -> torch.dtype:
 def _preset_names() -> list[str]:
     from fullshard.train.presets import PRESETS as TRAIN_PRESETS
 
-    return [*TRAIN_PRESETS, *sorted(set(PRESETS) - set(TRAIN_PRESETS))]
+    return [*TRAIN_PRESETS, *sorted(set(PRESETS) - set(TRAIN_PRESETS)), *HF_SHAPES]
 
 
 def _mesh(text: str | None) -> tuple[int, int] | None:
@@ -234,6 +244,9 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
     from fullshard.models import GPTConfig
     from fullshard.train.presets import PRESETS as TRAIN_PRESETS
 
+    if args.preset in HF_SHAPES:
+        args = argparse.Namespace(**vars(args))
+        args.hf_config, args.preset = json.dumps(HF_SHAPES[args.preset]), None
     if args.config or args.hf_config is not None or args.preset in TRAIN_PRESETS:
         return _train_spec(args)
     fields: dict[str, Any] = {}
@@ -257,7 +270,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
         batch=batch,
         seq=seq,
         optimizer=args.optimizer,
-        ac=args.ac,
+        ac=args.ac or False,
         reshard_after_forward=not args.no_reshard_after_forward,
         units=args.units,
         engine=args.engine,
@@ -303,7 +316,7 @@ def recommend(spec: PlanSpec, budget: int) -> list[Option]:
             )
         )
         b //= 2
-    if not spec.ac:
+    if spec.ac_mode == "none":
         cands.append(
             (
                 "activation checkpointing per block",
@@ -327,11 +340,11 @@ def recommend(spec: PlanSpec, budget: int) -> list[Option]:
                 r(spec, offload=True),
             )
         )
-    if not spec.ac and spec.batch > 1:
+    if spec.ac_mode == "none" and spec.batch > 1:
         cands.append(
             ("activation checkpointing + micro-batch 1", "both costs", r(spec, ac=True, batch=1))
         )
-    if not spec.offload and not spec.ac:
+    if not spec.offload and spec.ac_mode == "none":
         cands.append(
             ("CPU offload + activation checkpointing", "both costs", r(spec, offload=True, ac=True))
         )
@@ -372,7 +385,7 @@ def _describe(spec: PlanSpec, p: Plan) -> str:
     flags = [
         n
         for n, on in (
-            ("AC", spec.ac),
+            (f"AC {spec.ac_mode}", spec.ac_mode != "none"),
             ("offload", spec.offload),
             ("no reshard after fwd", not spec.reshard_after_forward),
         )
@@ -432,6 +445,10 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"fullshard plan: {e}", file=sys.stderr)
         return 2
+    if args.gpus:
+        from fullshard.memory.cluster_cli import run
+
+        return run(args, spec, budget)
     from fullshard.memory.planner import plan
 
     libraries_rss = _process_rss()  # before planning allocates anything

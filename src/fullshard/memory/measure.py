@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fullshard.memory.ac import checkpointed
 from fullshard.memory.tracker import LiveTensorBytes
 from fullshard.models import GPT, GPTConfig
 from fullshard.peers import load_fully_shard
@@ -39,8 +40,11 @@ def measure_rank(
     engine: str = "fullshard",
     steps: int = 3,
     reshard_after_forward: bool = True,
+    ac: str = "none",
 ) -> dict[str, Any]:
-    """Train ``steps`` steps on this rank; return the peak live tensor bytes and where it was."""
+    """Train ``steps`` steps on this rank; return the peak live tensor bytes and where it was.
+    ``ac``: activation checkpointing of each block as the planner traces it
+    (:mod:`fullshard.memory.ac`)."""
     cfg = GPTConfig(**model_cfg)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -50,7 +54,7 @@ def measure_rank(
     data = [torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen) for _ in range(steps)]
     tracker = LiveTensorBytes()
     model.register_forward_pre_hook(lambda m, a: setattr(tracker, "label", "forward"))
-    with tracker:
+    with tracker, checkpointed(list(model.blocks), ac):
         tracker.track(model.parameters(), "param")
         tracker.track(data, "data")
         tracker.reset_peak()

@@ -23,6 +23,7 @@ The peak is the maximum over the segments' events; the event and its breakdown a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -34,7 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.context import SMALL_UNIT_WINDOW_BYTES
+from fullshard.memory.ac import ac_mode, checkpointed
+from fullshard.memory.cost import OpCost
 from fullshard.memory.engines import ENGINES, EngineModel
+from fullshard.memory.layers import TRACED_BLOCKS, block_count, expand, with_blocks
 from fullshard.memory.tracker import LiveTensorBytes
 from fullshard.models import GPT, GPTConfig
 
@@ -75,8 +79,16 @@ class PlanSpec:
     """Micro-batch per rank (sequences)."""
     seq: int
     optimizer: str = "adamw"
-    ac: bool = False
-    """Activation checkpointing of every unit (block)."""
+    ac: bool | str = False
+    """Activation checkpointing of every unit (block): ``"none"`` (or ``False``), ``"full"``
+    (or ``True``) or ``"selective"`` (torchtitan's op policy, :mod:`fullshard.memory.ac`)."""
+    tp: int = 1
+    """Tensor-parallel degree the traced model's shapes are already divided by (the caller
+    builds the TP-local model); with sequence parallelism the residual stream's activations
+    are ``1/tp`` of the traced ones (:mod:`fullshard.memory.cluster`)."""
+    max_traced_blocks: int = TRACED_BLOCKS
+    """Trace at most this many blocks and extend to all ([Note: tracing three blocks]); 0:
+    trace every block."""
     reshard_after_forward: bool = True
     units: str = "block"
     """``block``: each transformer block is a unit, the root holds the rest; ``model``: one unit."""
@@ -91,12 +103,17 @@ class PlanSpec:
             raise ValueError(f"engine {self.engine!r}: choose from {sorted(ENGINES)}")
         if self.units not in ("block", "model"):
             raise ValueError(f"units {self.units!r}: choose 'block' or 'model'")
-        if self.batch < 1 or self.seq < 1 or self.world_size < 1:
+        ac_mode(self.ac)
+        if self.batch < 1 or self.seq < 1 or self.world_size < 1 or self.tp < 1:
             raise ValueError("batch, seq and world_size must be >= 1")
         if self.mesh is not None and self.mesh[0] * self.mesh[1] != self.world_size:
             raise ValueError(
                 f"mesh {self.mesh[0]}x{self.mesh[1]} does not multiply to world size {self.world_size}"
             )
+
+    @property
+    def ac_mode(self) -> str:
+        return ac_mode(self.ac)
 
     @property
     def shard_size(self) -> int:
@@ -136,6 +153,16 @@ class Segment:
     peak_grads: int = 0
     reduce_at: int | None = None  # live bytes when the unit reduce-scatters (backward)
     reduce_grads: int = 0
+    # of which on residual-stream-shaped tensors ([b, s, d_model]: sequence parallelism shards them)
+    start_hidden: int = 0
+    peak_hidden: int = 0
+    reduce_hidden: int = 0
+    # what the segment's ops cost (fullshard.memory.cost.OpCost)
+    mm_flops: int = 0
+    attn_flops: int = 0
+    mem_bytes: int = 0
+    hidden_mem_bytes: int = 0
+    mm_operand_bytes: int = 0
 
 
 @dataclass
@@ -162,6 +189,7 @@ class Plan:
     units: list[Unit]
     events: list[Event]
     n_params: int
+    segments: list[Segment] = field(default_factory=list)  # the traced step, all blocks
     peak: Event = field(init=False)
 
     def __post_init__(self) -> None:
@@ -191,7 +219,9 @@ def build_model(spec: PlanSpec) -> nn.Module:
     cfg = spec.hf_config
     if isinstance(cfg, (str, os.PathLike)):
         cfg = AutoConfig.from_pretrained(str(cfg), local_files_only=True)
-    return AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.config.use_cache = False  # training: no KV cache (it would grow in AC's recompute)
+    return model
 
 
 def find_units(model: nn.Module, how: str) -> list[tuple[str, nn.Module]]:
@@ -223,32 +253,23 @@ def _logits(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-@contextlib.contextmanager
-def _checkpointed(blocks: list[nn.Module]) -> Iterator[None]:
-    from torch.utils.checkpoint import checkpoint
-
-    saved = []
-    for b in blocks:
-        fwd = b.forward
-        saved.append((b, fwd))
-
-        def ck(*a: Any, _f: Callable[..., Any] = fwd, **k: Any) -> Any:
-            return checkpoint(_f, *a, use_reentrant=False, **k)
-
-        b.forward = ck  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for b, fwd in saved:
-            b.forward = fwd  # type: ignore[method-assign]
-
-
 def trace_activations(spec: PlanSpec) -> tuple[list[Unit], list[Segment], int]:
     """Run one fake forward+backward; return the units, the segments and the parameter count."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    traced, n_blocks = spec, None
+    if spec.units == "block" and spec.max_traced_blocks:
+        hf_cfg = spec.hf_config
+        if isinstance(hf_cfg, (str, os.PathLike)):
+            from transformers import AutoConfig
+
+            hf_cfg = AutoConfig.from_pretrained(str(hf_cfg), local_files_only=True)
+        n = block_count(spec.model, hf_cfg)
+        if n is not None and n > max(spec.max_traced_blocks, TRACED_BLOCKS):
+            model_cfg, hf_cfg = with_blocks(spec.model, hf_cfg, TRACED_BLOCKS)
+            traced, n_blocks = dataclasses.replace(spec, model=model_cfg, hf_config=hf_cfg), n
     with FakeTensorMode(), _default_dtype(spec.param_dtype):
-        model = build_model(spec)
+        model = build_model(traced)
         named = find_units(model, spec.units)
         units = _unit_shapes(named)
         for u in units:
@@ -257,6 +278,8 @@ def trace_activations(spec: PlanSpec) -> tuple[list[Unit], list[Segment], int]:
         x = torch.randint(0, vocab, (spec.batch, spec.seq))
         y = torch.randint(0, vocab, (spec.batch, spec.seq))
         segments = _run_fake(spec, model, named, units, x, y)
+    if n_blocks is not None:
+        units, segments = expand(units, segments, n_blocks)
     n_params = sum(u.numel for u in units)
     return units, segments, n_params
 
@@ -277,6 +300,14 @@ def _vocab(model: nn.Module) -> int:
     return int(getattr(cfg, "vocab_size", 256))
 
 
+def _width(model: nn.Module) -> int:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    for name in ("d_model", "hidden_size", "n_embd"):
+        if isinstance(getattr(cfg, name, None), int):
+            return int(getattr(cfg, name))
+    return 0
+
+
 def _run_fake(
     spec: PlanSpec,
     model: nn.Module,
@@ -285,7 +316,14 @@ def _run_fake(
     x: torch.Tensor,
     y: torch.Tensor,
 ) -> list[Segment]:
-    tracker = LiveTensorBytes()
+    width, tokens = _width(model), spec.batch * spec.seq
+
+    def is_hidden(t: torch.Tensor) -> bool:
+        """A residual-stream-shaped tensor ([b, s, d] or [b*s, d])."""
+        return t.dim() >= 2 and t.shape[-1] == width and t.numel() == tokens * width
+
+    tracker = LiveTensorBytes(classify=lambda t: "hidden" if is_hidden(t) else "other")
+    cost = OpCost(classify=is_hidden)
     segments: list[Segment] = []
     owner: dict[int, int] = {}  # id(param) -> unit index
     for i, (_, mod) in reversed(list(enumerate(named))):
@@ -303,25 +341,49 @@ def _run_fake(
     def grads() -> int:
         return tracker.by_category.get("grad", 0)
 
+    def hidden() -> int:
+        return tracker.by_category.get("hidden", 0)
+
+    mark = [cost.totals()]
+
+    def close() -> None:  # the ops since the last segment began are the last segment's
+        now = cost.totals()
+        if segments:
+            seg = segments[-1]
+            d = [a - b for a, b in zip(now, mark[0])]
+            seg.mm_flops, seg.attn_flops = seg.mm_flops + d[0], seg.attn_flops + d[1]
+            seg.mem_bytes, seg.hidden_mem_bytes = seg.mem_bytes + d[2], seg.hidden_mem_bytes + d[3]
+            seg.mm_operand_bytes += d[4]
+        mark[0] = now
+
     def begin(label: str, unit: int, phase: str) -> None:
-        now, g = live(), grads()
+        close()
+        now, g, h = live(), grads(), hidden()
         last = segments[-1] if segments else None
         after = unit if unit > 0 else (last.after if last and last.phase == phase else 0)
         segments.append(
-            Segment(label=label, unit=unit, phase=phase, after=after, start=now, start_grads=g)
+            Segment(
+                label=label,
+                unit=unit,
+                phase=phase,
+                after=after,
+                start=now,
+                start_grads=g,
+                start_hidden=h,
+            )
         )
-        segments[-1].peak, segments[-1].peak_grads = now, g
+        segments[-1].peak, segments[-1].peak_grads, segments[-1].peak_hidden = now, g, h
 
     def on_op(t: LiveTensorBytes) -> None:
         seg = segments[-1]
         now = live()
         if now > seg.peak:
-            seg.peak, seg.peak_grads = now, grads()
+            seg.peak, seg.peak_grads, seg.peak_hidden = now, grads(), hidden()
 
     def reduce_point() -> None:
         seg = segments[-1]
         on_op(tracker)
-        seg.reduce_at, seg.reduce_grads = live(), grads()
+        seg.reduce_at, seg.reduce_grads, seg.reduce_hidden = live(), grads(), hidden()
 
     def accumulated(p: torch.Tensor) -> None:
         i = owner[id(p)]
@@ -350,9 +412,9 @@ def _run_fake(
         )
     for p in params:
         handles.append(p.register_post_accumulate_grad_hook(accumulated))
-    blocks = [m for _, m in named[1:]] if spec.ac else []
+    blocks = [m for _, m in named[1:]]
     try:
-        with tracker, _checkpointed(blocks):
+        with tracker, cost, checkpointed(blocks, spec.ac_mode):
             tracker.track(params, "param")
             tracker.on_op = on_op
             begin("forward root", 0, "forward")
@@ -364,6 +426,7 @@ def _run_fake(
             loss.backward()
             del loss
             reduce_point()
+            close()
     finally:
         for h in handles:
             h.remove()
@@ -376,7 +439,8 @@ def _run_fake(
 def plan(spec: PlanSpec) -> Plan:
     """Predict the per-rank memory timeline of one steady-state training step."""
     units, segments, n_params = trace_activations(spec)
-    return Plan(spec=spec, units=units, events=_timeline(spec, units, segments), n_params=n_params)
+    events = _timeline(spec, units, segments)
+    return Plan(spec=spec, units=units, events=events, n_params=n_params, segments=segments)
 
 
 def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> list[Event]:
@@ -421,6 +485,10 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             out |= set(range(n)) - reduced
         return out
 
+    def act(live: int, grads: int, hidden: int) -> int:
+        """Activation bytes; sequence parallelism shards the residual stream's over TP."""
+        return live - grads - hidden + hidden // spec.tp
+
     events: list[Event] = []
     was: set[int] = set()
     pending = 0  # a reduce-scatter input still alive (EngineModel.reduce_pending)
@@ -443,13 +511,21 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
                     extra += units[i].shard_numel * pbytes
             ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending + alive})
             ev.update(
-                {"activations": seg.start - seg.start_grads, "unsharded grads": seg.start_grads}
+                {
+                    "activations": act(seg.start, seg.start_grads, seg.start_hidden),
+                    "unsharded grads": seg.start_grads,
+                }
             )
             names = ", ".join(units[i].name for i in sorted(new))
             events.append(Event(f"all-gather of {names} (entering {seg.label})", ev))
         was = now
         ev = dict(base, **{"gathered units": gath, "comm buffers": pending + alive})
-        ev.update({"activations": seg.peak - seg.peak_grads, "unsharded grads": seg.peak_grads})
+        ev.update(
+            {
+                "activations": act(seg.peak, seg.peak_grads, seg.peak_hidden),
+                "unsharded grads": seg.peak_grads,
+            }
+        )
         events.append(Event(seg.label, ev))
         if seg.reduce_at is not None:
             u = units[seg.unit]
@@ -471,7 +547,7 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
             )
             ev.update(
                 {
-                    "activations": seg.reduce_at - seg.reduce_grads,
+                    "activations": act(seg.reduce_at, seg.reduce_grads, seg.reduce_hidden),
                     "unsharded grads": seg.reduce_grads,
                 }
             )

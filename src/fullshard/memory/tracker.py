@@ -127,8 +127,9 @@ class LiveTensorBytes(TorchDispatchMode):
     new peak is reached, so callers can mark phases (e.g. ``"backward blocks.3"``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, classify: Callable[[torch.Tensor], str] | None = None) -> None:
         super().__init__()
+        self.classify = classify  # the category of a new op output (default "other")
         self._entries: dict[int, _Entry] = {}  # id(storage) -> entry; removed when freed
         self.current = 0
         self.by_category: dict[str, int] = {}
@@ -202,8 +203,9 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
+                cat = "other" if self.classify is None else self.classify(t)
                 for st in _storages(t):
-                    self._register(st, "other")
+                    self._register(st, cat)
         if self.on_op is not None:
             self.on_op(self)
         return out

@@ -1,0 +1,181 @@
+"""`fullshard plan --gpus N`: the pieces of the cluster planner against measurement and theory.
+
+- selective activation checkpointing's bytes against a real CPU run with the same policy;
+- the traced FLOPs of a block against the closed form;
+- three traced blocks extended to all against a trace of every block;
+- the collective volumes per mesh dimension against the ZeRO-3 formulas, for each degree
+  ([Note: the ZeRO-3 theory per mesh dimension] in fullshard.memory.cluster);
+- the CLI's JSON and the --budget ranking.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from fullshard.bench.cli import fullshard_available
+from fullshard.memory.cli import main
+from fullshard.memory.cluster import ClusterSpec, cluster_plan, memory_spec, volumes
+from fullshard.memory.hardware import gpu
+from fullshard.memory.measure import measure_rank
+from fullshard.memory.planner import PlanSpec, plan
+from fullshard.models import GPTConfig
+from fullshard.testing import run_distributed
+
+ENGINE = "fullshard" if fullshard_available() is None else "fsdp2"
+ACT_HEAVY = GPTConfig(n_layer=2, d_model=128, n_head=4, seq_len=128, tie_embeddings=False)
+
+
+def _llama(layers: int = 4) -> object:
+    from fullshard.train import hf
+
+    return hf.make_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 96,
+            "tie_word_embeddings": False,
+        }
+    )
+
+
+def test_selective_ac_bytes_match_a_measured_cpu_run() -> None:
+    """The planner traces torchtitan's op policy; a real 2-rank run applies the same policy.
+    Selective must sit strictly between full and none, and match the measured peak."""
+    peaks = {
+        ac: plan(PlanSpec(model=ACT_HEAVY, world_size=2, batch=4, seq=128, ac=ac, engine=ENGINE))
+        for ac in ("none", "selective", "full")
+    }
+    acts = {ac: p.peak.bytes["activations"] for ac, p in peaks.items()}
+    assert acts["full"] < acts["selective"] < acts["none"], acts
+    ranks = run_distributed(
+        measure_rank, 2, asdict(ACT_HEAVY), 4, 128, ENGINE, 3, True, "selective", timeout=180
+    )
+    measured = max(r["peak_bytes"] for r in ranks)
+    predicted = peaks["selective"].peak.total
+    assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured, acts)
+
+
+def test_traced_block_flops_match_the_closed_form() -> None:
+    """A GPT block's matmuls: qkv 3d^2, proj d^2, MLP 8d^2 per token (2 FLOPs per MAC);
+    attention 4 b s^2 d; backward twice the matmuls and 2.5x the attention (as torch counts)."""
+    b, s, d = 2, 64, 128
+    cfg = GPTConfig(n_layer=5, d_model=d, n_head=4, seq_len=s, tie_embeddings=False)
+    p = plan(PlanSpec(model=cfg, world_size=2, batch=b, seq=s))
+    seg = {x.label: x for x in p.segments}
+    fwd, bwd = seg["forward blocks.2"], seg["backward blocks.2"]
+    mm = 2 * b * s * 12 * d * d
+    attn = 4 * b * s * s * d
+    assert fwd.mm_flops == mm and fwd.attn_flops == attn
+    assert bwd.mm_flops == 2 * mm and bwd.attn_flops == int(2.5 * attn)
+    # full AC: backward recomputes the block's forward up to the last tensor backward needs
+    # (torch's non-reentrant checkpoint stops early: the MLP's output matmul, 4 d^2 per
+    # token, is not recomputed)
+    pf = plan(PlanSpec(model=cfg, world_size=2, batch=b, seq=s, ac="full"))
+    bwd_ac = {x.label: x for x in pf.segments}["backward blocks.2"]
+    assert bwd_ac.mm_flops == 3 * mm - 2 * b * s * 4 * d * d
+    assert bwd_ac.attn_flops == attn + int(2.5 * attn)
+
+
+def test_three_traced_blocks_extend_to_a_full_trace() -> None:
+    """[Note: tracing three blocks]: the plan of 7 blocks from 3 equals tracing all 7."""
+    cfg = GPTConfig(n_layer=7, d_model=64, n_head=4, seq_len=64, tie_embeddings=False)
+    for ac in ("none", "selective"):
+        spec = PlanSpec(model=cfg, world_size=2, batch=2, seq=64, ac=ac)
+        short, full = plan(spec), plan(PlanSpec(**{**spec.__dict__, "max_traced_blocks": 0}))
+        assert short.peak.total == full.peak.total, ac
+        assert [e.total for e in short.events] == [e.total for e in full.events], ac
+        for field in ("mm_flops", "attn_flops", "mem_bytes"):
+            assert sum(getattr(x, field) for x in short.segments) == sum(
+                getattr(x, field) for x in full.segments
+            ), field
+
+
+def _cluster(**kw: object) -> ClusterSpec:
+    args: dict[str, object] = {
+        "hf_config": _llama(),
+        "gpu": gpu("h100"),
+        "batch": 2,
+        "seq": 32,
+        "ac": "full",
+    }
+    return ClusterSpec(**{**args, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"gpus": 8},
+        {"gpus": 64},
+        {"gpus": 32, "dp_replicate": 4},
+        {"gpus": 32, "hpz": 8},
+        {"gpus": 16, "tp": 2},
+        {"gpus": 32, "tp": 2, "pp": 2, "local_batch": 8},
+    ],
+    ids=["fsdp8", "fsdp64", "hsdp4x8", "hpz8", "fsdp8-tp2", "fsdp8-tp2-pp2"],
+)
+def test_collective_volumes_follow_zero3_theory(kw: dict[str, int]) -> None:
+    spec = _cluster(**kw)
+    s, r, t, k, pp = spec.dp_shard, spec.dp_replicate, spec.tp, spec.hpz, spec.pp
+    p = plan(memory_spec(spec))
+    units = [u.padded_numel for u in p.units]
+    psi, blocks = sum(units), sum(units[1:])
+    # the TP-local model: every matrix / T, norms replicated; the stage: layers / P
+    full = plan(PlanSpec(hf_config=_llama(4 // pp), world_size=s, batch=2, seq=32))
+    norms = sum(n for u in full.units for sh in u.shapes if len(sh) == 1 for n in sh)
+    assert sum(u.numel for u in p.units) == (full.n_params - norms) // t + norms
+    v = volumes(spec, units)
+    regather = 0 if (k or pp > 1) else (s - 1) / s * 2 * blocks
+    assert v["dp_shard"]["all_gather"] == pytest.approx((s - 1) / s * 2 * psi + regather)
+    assert v["dp_shard"]["reduce_scatter"] == pytest.approx((s - 1) / s * 4 * psi)
+    if k:
+        assert v["dp_shard"]["all_gather_hpz"] == pytest.approx((k - 1) / k * 2 * blocks)
+    assert v["dp_replicate"]["all_reduce"] == pytest.approx(2 * (r - 1) / r * 4 * psi / s)
+    m = spec.microbatches
+    act = 2 * 32 * 64 * 2  # b s d, bf16
+    tp_calls = ((8 + 4) * 4 / pp + 4) * m  # full AC: 4 fwd + 4 bwd + 4 recompute per block
+    assert v["tp"]["all_gather+reduce_scatter"] == pytest.approx(tp_calls * (t - 1) / t * act)
+    assert v["pp"]["send_recv"] == pytest.approx(2 * m * act / t if pp > 1 else 0)
+    # per-GPU model states: 16 bytes per local shard element (fp32 params, grads, AdamW)
+    cp = cluster_plan(spec)
+    shard = sum(u.shard_numel for u in p.units)
+    step = cp.memory.events[-1].bytes
+    assert step["sharded params"] + step["sharded grads"] + step["optimizer states"] == 16 * shard
+    assert shard == sum(
+        -(-sh[0] // s) * (int(torch.tensor(sh).prod()) // sh[0]) for u in p.units for sh in u.shapes
+    )
+
+
+def test_cluster_cli_json_and_budget_ranking(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = json.dumps(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 96,
+        }
+    )
+    common = ["--hf-config", cfg, "--gpus", "16", "--batch", "2", "--seq", "32", "--ac", "full"]
+    assert main([*common, "--json", "--reserve"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("peak_memory_gib", "reserved_memory_gib", "step_time_s", "tokens_per_s_per_gpu"):
+        assert out[key] > 0, key
+    assert 0 < out["mfu"] < 1 and out["exposed_comm_s"] >= 0
+    assert out["comm"]["dp_shard"]["group"] == 16 and out["comm"]["dp_shard"]["link"] == "network"
+    assert main([*common, "--json", "--budget", "80GiB"]) == 0
+    ranking = json.loads(capsys.readouterr().out)["ranking"]
+    tps = [r["tokens_per_s_per_gpu"] for r in ranking if r["fits"]]
+    assert len(tps) >= 4 and tps == sorted(tps, reverse=True)
+    assert any("TP 2" in r["config"] for r in ranking) and any(
+        "HSDP" in r["config"] for r in ranking
+    )
