@@ -179,13 +179,26 @@ def _hsdp_offload_clip() -> dict:
     model = shard_net(make_net(), offload_policy=CPUOffloadPolicy())
     opt = make_optimizer(model)
     losses = [sharded_step(model, opt, step) for step in range(5)]
-    devices = {p.to_local().device.type for p in model.parameters()}
-    devices |= {
-        v.to_local().device.type if isinstance(v, DTensor) else v.device.type
+    state = full_state(model)
+    x, y = batch(0)
+    per = GLOBAL_BATCH // world
+    r = dist.get_rank()
+    loss_fn(model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]).backward()
+    shards = [p.to_local() for p in model.parameters()]
+    held = shards + [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+    held += [
+        v.to_local() if isinstance(v, DTensor) else v
         for s in opt.state.values()
         for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0  # not Adam's scalar step count
+    ]
+    placement = {
+        "devices": sorted({t.device.type for t in held}),
+        "pinned": sorted({t.is_pinned() for t in shards}),
+        "grads": sum(p.grad is not None for p in model.parameters()),
     }
-    out["offload"] = (losses, full_state(model), sorted(devices))
+    opt.zero_grad()
+    out["offload"] = (losses, state, placement)
 
     # clip_grad_norm_ on 1-D (all ranks) and 2-D meshes
     clip: dict = {}
@@ -292,7 +305,15 @@ def test_hsdp_offload_clip_divide() -> None:
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) / abs(b) < 1e-5, f"hsdp accumulation {t}: {a} vs {b}"
         assert counts == [(8, 4)] * 3, (t, counts)  # 2 micro-batches x 4 units; all-reduce once
-    assert r["offload"][2] == ["cpu"]
+    # CPU offload: every shard, gradient shard and optimizer state in host memory; the shards
+    # pinned exactly where CUDA exists (CPUOffloadPolicy() asks for pinning, which a CPU-only
+    # build ignores). On this gloo run the compute device is the host too, so the devices
+    # cannot differ from a run without offload: the losses and state above are what a CPU
+    # run can check; the pinning check is live on any CUDA host.
+    placement = r["offload"][2]
+    assert placement["devices"] == ["cpu"], placement
+    assert placement["pinned"] == [torch.cuda.is_available()], placement
+    assert placement["grads"] > 0, placement  # the gradient shards are among those checked
     for (mesh_name, norm_type), (norm, torch_norm, calls, grads) in r["clip"].items():
         ref_norm, ref_grads = _reference_clip(norm_type)
         assert abs(norm - ref_norm) / ref_norm < 1e-5, (mesh_name, norm_type, norm, ref_norm)

@@ -16,7 +16,6 @@ with the launcher replaced by a spy, so "before spawning" is checked, not assume
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import struct
@@ -181,9 +180,18 @@ def _pickle_manifest(path: Path, marker: Path) -> None:
     (path / "manifest.json").write_bytes(pickle.dumps(_Payload(marker)))
 
 
-def _symlink_out(path: Path, _: Path) -> None:
+# The symlink's target: a file beside the checkpoint directory (not in it), inside the test's
+# tmp_path so that the "nothing written" check watches it too, holding text the commands must
+# not show.
+OUTSIDE = "outside.txt"
+SECRET = "secret-4f1d9b: a host file a checkpoint must not reach\n"
+
+
+def _symlink_out(path: Path, marker: Path) -> None:
+    target = marker.parent / OUTSIDE
+    target.write_text(SECRET)
     (path / RANK).unlink()
-    (path / RANK).symlink_to("/etc/hostname")
+    (path / RANK).symlink_to(target)
 
 
 def _huge_header(path: Path, _: Path) -> None:
@@ -212,7 +220,10 @@ CRAFTED: dict[str, tuple[Callable[[Path, Path], None], str]] = {
         "manifest names file ../../evil.safetensors",
     ),
     "absolute path": (_rename_file("/etc/passwd"), "manifest names file /etc/passwd"),
-    "symlink out of the checkpoint": (_symlink_out, "rank file is a symlink to /etc/hostname"),
+    "symlink out of the checkpoint": (
+        _symlink_out,
+        "rank file is a symlink to a file outside the checkpoint",
+    ),
     "absurd tensor shape": (_set("shape", [2**40, 2**20]), "embed.weight claims [2^40, 2^20]"),
     "absurd header length": (_huge_header, "safetensors header length 2^62"),
     "wrong dtype": (_set("dtype", "I32"), "manifest says I32, file holds F32"),
@@ -299,4 +310,9 @@ def test_crafted_checkpoint_through_the_cli(
     assert not marker.exists(), "a pickle payload ran"
     assert written == [], f"files written outside the run directory: {written}"
     assert all(refused.values()), {k: v for k, v in results.items()}
-    assert os.path.exists("/etc/hostname") or case != "symlink out of the checkpoint"
+    if case == "symlink out of the checkpoint":
+        # the file the symlink points to is left as it was (not removed, truncated or
+        # rewritten) and none of its text reaches the user
+        assert (tmp_path / OUTSIDE).read_text() == SECRET, "the symlink's target was changed"
+        shown = [cmd for cmd, (_, text) in results.items() if SECRET.split(":")[0] in text]
+        assert shown == [], f"the symlink's target was shown by {shown}"

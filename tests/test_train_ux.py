@@ -185,9 +185,18 @@ def test_auto_resume_of_another_model_is_refused_before_launch(
     _gpt_run(run_dir, 10)
     before = (run_dir / "config.toml").read_text()
     base = ["train", "--preset", "tiny", "--data", str(corpus), "--run-dir", str(run_dir)]
-    for flags, was in (
-        (["--hf-config", LLAMA], "That run used the built-in GPT"),
-        (["--d-model", "128"], "That run used --d-model 64"),
+    # what each checkpoint/model pair differs in, listed by name (and shape) in the message
+    llama_names = (
+        "missing keys ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight'",
+        "unexpected keys ['embed.weight', 'pos.weight', 'blocks.0.ln1.weight'",
+    )
+    wider_shapes = (
+        "shape mismatches [embed.weight: checkpoint [256, 64] vs model [256, 128], "
+        "pos.weight: checkpoint [64, 64] vs model [64, 128]",
+    )
+    for flags, was, listed, absent in (
+        (["--hf-config", LLAMA], "That run used the built-in GPT", llama_names, "shape"),
+        (["--d-model", "128"], "That run used --d-model 64", wider_shapes, " keys ["),
     ):
         rc, _, err = _main([*base, *flags], capsys)
         assert rc == 2 and no_launch == [], err
@@ -195,7 +204,7 @@ def test_auto_resume_of_another_model_is_refused_before_launch(
         assert len(err) < 1200, f"more than a screen:\n{err}"
         assert f"{run_dir} holds checkpoints of another model (newest: step_00000010" in err
         assert was in err and "--name NAME or --run-dir DIR" in err
-        assert ("missing keys [" in err and "unexpected keys [" in err) or "shape" in err
+        assert all(text in err for text in listed) and absent not in err, err
         assert "strict=False" not in err
         assert (run_dir / "config.toml").read_text() == before  # nothing written
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml"]
