@@ -223,6 +223,64 @@ def _forward_mode_ad(shard: Callable[..., Any]) -> dict[str, Any]:
     }  # type: ignore[arg-type]
 
 
+class _Overlapped(nn.Module):
+    """FSDP2's unshard-async test shape: plain layers (left to torch's replicate(), which is
+    DDP) each start an async all-reduce, then unshard the sharded MLP that consumes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
+        self.mlps = nn.ModuleList(_mlp(2, seed=4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(())
+        for pre, mlp in zip(self.pre, self.mlps):
+            y = torch.relu(pre(x))
+            work = dist.all_reduce(y.detach().clone(), async_op=True)  # overlapped, unused
+            if hasattr(mlp, "unshard"):
+                mlp.unshard(async_op=True)
+            work.wait()
+            out = out + mlp(y).sum()
+        return out
+
+
+def _unshard_before_forward(shard: Callable[..., Any]) -> dict[str, Any]:
+    """unshard() on non-root units ahead of the root's first forward: asynchronously inside
+    a model that torch's replicate() (composable DDP) wraps, as FSDP2's test does, and
+    synchronously, before anything ran."""
+    from torch.distributed._composable import replicate
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(5)
+    ref = replicate(_Overlapped())
+    torch.manual_seed(5)
+    model = _Overlapped()
+    for mlp in model.mlps:
+        shard(mlp, reshard_after_forward=False)  # each MLP its own root
+    replicate(model)  # DDP for the plain layers; the units are fully_shard's
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, model)]
+    losses = []
+    for step in range(3):
+        pair = []
+        for m, opt in zip((ref, model), opts):
+            loss = m(_data(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    out["losses"] = losses  # [replicate reference, sharded] per step
+    model = _mlp()
+    for lin in model:
+        shard(lin)
+    shard(model)
+    model[1].unshard()  # before any forward: the root's lazy init runs, not a root of its own
+    out["registered"] = [type(p).__name__ for p in model[1].parameters()]
+    model(_data(0)).sum().backward()
+    out["sync_grads"] = [_full(p.grad) for p in model.parameters()]  # type: ignore[arg-type]
+    return out
+
+
 def _mesh_dims_errors(shard: Callable[..., Any]) -> dict[str, Any]:
     """dp_mesh_dims refusals: the exception type and FSDP2's message (first line)."""
     world = dist.get_world_size()
@@ -249,6 +307,7 @@ CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "mesh_dims_errors": _mesh_dims_errors,
     "comm_debug_mode": _comm_debug_mode,
     "forward_mode_ad": _forward_mode_ad,
+    "unshard_before_forward": _unshard_before_forward,
 }
 ONE_RANK_CASES = {"divide_factor_one_rank": _divide_factor_one_rank}
 
@@ -289,6 +348,7 @@ def _same(ours: Any, theirs: Any, where: str) -> None:
         "process_group_allocator",
         "comm_debug_mode",
         "forward_mode_ad",
+        "unshard_before_forward",
     ],
 )
 def test_same_as_fsdp2(case: str, two_ranks) -> None:
@@ -298,6 +358,9 @@ def test_same_as_fsdp2(case: str, two_ranks) -> None:
         assert len(ours["calls"]) == 3 * 6 and all(ours["grads_left"])
     if case == "comm_debug_mode":  # the tool saw collectives at all
         assert ours["raf=True step 1"][0] == {"c10d._allgather_base_": 4}
+    if case == "unshard_before_forward":  # trains as the replicate() reference does
+        for ref_loss, loss in ours["losses"]:
+            assert loss == pytest.approx(ref_loss, rel=1e-5)
     if case == "output_dtype_under_recompute":
         assert ours["seen"] == [torch.float32, torch.float32]
 

@@ -16,18 +16,21 @@ parameter becomes a ``DTensor`` registered on its modules, so ``model.parameters
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Placement
 
 from .compat import check_supported
 from .group import ParamGroup
-from .hooks import STATE_ATTR, FSDPState
+from .hooks import STATE_ATTR, FSDPState, states_under
 from .init import check_reshard_after_forward, claim_params
 from .mesh import default_mesh, mesh_info, mesh_info_from_dims
 from .module import (
@@ -215,9 +218,15 @@ def fully_shard(
                 if buf is not None and buf.device.type not in ("meta", compute_device.type):
                     sub._buffers[key] = buf.to(compute_device)
         _install_hooks(m, state)
+        # torch's composable registry names the APIs applied to a module; replicate() and
+        # torch's other composable APIs skip (or refuse) modules marked "fully_shard"
+        m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
         for sub in m.modules():  # what FSDP2 marks, and what transformers / dynamo look for
             sub._is_fsdp_managed_module = True  # type: ignore[assignment]
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]
+    for inner in states_under(modules):
+        if inner is not state and inner.enclosing is None:
+            inner.enclosing = weakref.ref(state)
     return module
 
 

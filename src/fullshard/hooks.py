@@ -17,6 +17,7 @@ One training step as the hooks see it (docs/design.md has the whole picture):
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -94,6 +95,8 @@ class FSDPState:
         # read on the root ([Note: manual backward finalization] in fullshard.finalize)
         self.manual_backward_finalization = False
         self.shared_streams: CommStreams | None = None  # root: from share_comm_ctx
+        # the next unit out, as fully_shard was applied bottom-up (see outermost)
+        self.enclosing: weakref.ref[FSDPState] | None = None
         self._post_forward_calls = 0
 
     @property
@@ -103,6 +106,15 @@ class FSDPState:
     @property
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
+
+    def outermost(self) -> FSDPState:
+        """The outermost unit around this one: the root its forward will have. Lazy init
+        starts there when a method needs the unit before any forward (``unshard()`` ahead of
+        the first forward, as FSDP2 allows), so the unit does not become a root itself."""
+        st = self
+        while st.enclosing is not None and (up := st.enclosing()) is not None:
+            st = up
+        return st
 
     def subtree_states(self) -> list[FSDPState]:
         """States of every FSDP unit in this unit's module subtree (this one first)."""

@@ -143,7 +143,7 @@ class FSDPModule(_TorchFSDPModule):
         """
         state = _state(cast(nn.Module, self))
         if state.ctx is None:
-            lazy_init(state)
+            lazy_init(state.outermost())
         group = state.group
         group.unshard()
         handle = UnshardHandle(group)
