@@ -381,13 +381,6 @@ def test_cross_device_copy_counter() -> None:
     assert (moved.h2d, moved.d2h) == (32, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the engine emits h2d / d2h from the offload flag, also when the shard or gradient "
-    "is already where it goes (every CPU run): gather.py's _offload_event and reduce.py's "
-    "d2h emit should count only tensors whose device differs from the destination",
-)
 def test_cpu_offload_reports_the_copies_it_makes(results) -> None:
     """The h2d / d2h events report what crossed between host and device: on an accelerator,
     every shard before its gathers and every gradient shard after its reduction; on this CPU

@@ -61,9 +61,16 @@ def _allocate(g: ParamGroup, buf: torch.Tensor) -> None:
 
 
 def _offload_event(g: ParamGroup) -> None:
+    """Report the host-to-device copy of an offloaded unit's shards (none when they already
+    live on the compute device: CPU offload on a CPU run moves nothing)."""
     if g.offloaded:
-        nbytes = sum(sp.local_numel * sp.local.element_size() for sp in g.layout)
-        emit("h2d", g.name, nbytes=nbytes)
+        nbytes = sum(
+            sp.local_numel * sp.local.element_size()
+            for sp in g.layout
+            if sp.local.device != g.device
+        )
+        if nbytes:
+            emit("h2d", g.name, nbytes=nbytes)
 
 
 def start_gather(g: ParamGroup) -> PendingGather:

@@ -151,7 +151,7 @@ class PendingReduce:
                 self.output.div_(self.divide_after)
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
-            if self.offload:
+            if self.offload and shard.device.type != "cpu":  # on a CPU run nothing moves
                 emit("d2h", self.unit, nbytes=shard.numel() * shard.element_size())
                 shard = self.streams.to_host(shard, self.pin)
             sp.make_grad(shard)
