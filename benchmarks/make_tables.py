@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,80 @@ def plan_accuracy(engine: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _commit() -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty else "")
+
+
+def _provenance(r: dict[str, Any]) -> list[str]:
+    """How one config's run was made: its command, commit, start and the load then."""
+    if "command" not in r:
+        return []
+    return [
+        f"Command: `{r['command']}` at commit {r['commit']}, started {r['started']} (load "
+        f"average {r['load_avg_at_start']}); {r['config']['repeats']} interleaved repeats, "
+        "modes alternating.",
+        "",
+    ]
+
+
+def _peer_section(results: dict[str, Any]) -> list[str]:
+    """DeepSpeed ZeRO-3 against fullshard, per config and repeat, from the runs themselves."""
+    runs = [r for r in results["runs"] if "deepspeed" in r["modes"] and "fullshard" in r["modes"]]
+    if not runs:
+        return []
+    out = [
+        "## DeepSpeed ZeRO-3 as a peer",
+        "",
+        "The `deepspeed` mode (`pip install 'fullshard[peers]'`; `fullshard bench --modes "
+        "fullshard deepspeed single` for just it) hands the same GPT, built from the same seed, "
+        "and the same `torch.optim.AdamW` to `deepspeed.initialize` with ZeRO stage 3 and all "
+        "its defaults, fp32, on the ranks' gloo group (`DS_ACCELERATOR=cpu`); only "
+        "`gradient_clipping` is set, to 0, because DeepSpeed's default of 1.0 clips every "
+        "gradient to norm 1 and no other mode clips. Its units are its own (every submodule "
+        "fetches its parameters; parameters under `param_persistence_threshold` elements stay "
+        "gathered), so its calls and bytes differ from the fully_shard engines'. Step = its "
+        "forward, `engine.backward`, `engine.step` (which zeroes the gradients).",
+        "",
+        "| config | ranks | fullshard s/step | DeepSpeed s/step | fullshard / DeepSpeed | per "
+        "repeat | peak RSS per rank fullshard / DeepSpeed MiB | DeepSpeed bytes vs theory | "
+        "DeepSpeed loss rel. err. |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        fs, ds = r["modes"]["fullshard"], r["modes"]["deepspeed"]
+        per = " / ".join(
+            f"{a / b:.2f}x" for a, b in zip(fs["repeat_medians_s"], ds["repeat_medians_s"])
+        )
+        c = ds["comm"] or {}
+        vs = c.get("bytes_vs_theory")
+        err = r["loss_check"]["max_rel_err"].get("deepspeed")
+        out.append(
+            f"| `{r['config']['name']}` | {r['nproc']} | {fs['step_s_median']:.3f} | "
+            f"{ds['step_s_median']:.3f} | **{fs['ratio_vs_deepspeed']:.2f}x** | {per} | "
+            f"{fs['peak_rss_mib_max']:.0f} / {ds['peak_rss_mib_max']:.0f} | "
+            + ("-" if vs is None else f"{vs:.2f}x")
+            + " | "
+            + ("-" if err is None else f"{err:.1e}")
+            + " |"
+        )
+    e = runs[0]["modes"]["deepspeed"].get("engine")
+    if e:
+        out += [
+            "",
+            f"{e['engine']}, config `{json.dumps(e['config'], sort_keys=True)}`; ZeRO "
+            "defaults as resolved: "
+            + ", ".join(f"`{k}` {v}" for k, v in e["shown"].items())
+            + " (every resolved knob is in `benchmarks/results/latest.json`).",
+        ]
+    return out + [""]
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["machine"]
     out = [
@@ -103,8 +178,10 @@ def render(results: dict[str, Any]) -> str:
         "global batch per step, each rank its contiguous slice), seed 0, AdamW (lr 1e-3, betas "
         "0.9/0.95, wd 0.1), fp32, for every mode. Units: each block, then the root.",
         "- Modes: `fullshard` and `fsdp2` (`fully_shard` on blocks then root, "
-        "reshard_after_forward=True), `ddp`, `single` (one process, threads = ranks), `nocomm` "
-        "(each rank trains its own replica on its slice: the same compute, no communication).",
+        "reshard_after_forward=True), `deepspeed` (DeepSpeed ZeRO stage 3 with its defaults: "
+        "[below](#deepspeed-zero-3-as-a-peer)), `ddp`, `single` (one process, threads = "
+        "ranks), `nocomm` (each rank trains its own replica on its slice: the same compute, no "
+        "communication).",
         "- Each (repeat, mode) is a fresh spawn of gloo ranks on loopback, one thread per rank; "
         "modes alternate A B C, C B A over repeats. Step = forward + loss + backward + "
         "optimizer step + zero_grad. Step time: slower rank per step, median over the timed "
@@ -115,7 +192,9 @@ def render(results: dict[str, Any]) -> str:
         'step. "Above runtime" subtracts the rank\'s RSS before the model was built.',
         "- Traffic: all-gather output / reduce-scatter input / all-reduce tensor bytes per step "
         "(fullshard: its own `count_collectives`; FSDP2: wrappers on the `torch.distributed` "
-        "functions it calls; DDP: its reducer's buckets). Theory: 3 x parameter bytes for "
+        "functions it calls; DeepSpeed: the same wrappers, also on the all-gather and "
+        "reduce-scatter functions its torch backend binds at start-up; DDP: its reducer's "
+        "buckets). Theory: 3 x parameter bytes for "
         "ZeRO-3, 1 x for DDP.",
         "- Exposed comm = step time - `nocomm` step time (communication and sharding overhead "
         "not hidden behind compute). Blocked in comm = wall time inside collective calls and "
@@ -126,11 +205,13 @@ def render(results: dict[str, Any]) -> str:
     ]
     for r in results["runs"]:
         if r["config"]["name"] != "memory":
-            out += [f"## `{r['config']['name']}`", "", markdown(r), ""]
+            out += [f"## `{r['config']['name']}`", "", *_provenance(r), markdown(r), ""]
     mem = [r for r in results["runs"] if r["config"]["name"] == "memory"]
     if mem:
-        out += ["## `memory`: per-rank memory against world size", "", scaling_markdown(mem), ""]
+        out += ["## `memory`: per-rank memory against world size", "", *_provenance(mem[0])]
+        out += [scaling_markdown(mem), ""]
         out += [markdown(r) + "\n" for r in mem]
+    out += _peer_section(results)
     if results.get("plan"):
         out += [
             "## `fullshard plan` against measured runs",
@@ -185,6 +266,13 @@ def main() -> int:
             ]
         results = run(cfgs, timeout=3600)
         results["command"] = " ".join(["python benchmarks/make_tables.py", *sys.argv[1:]])
+        for r in results["runs"]:  # each config's own provenance survives later --merge runs
+            r.update(
+                command=results["command"],
+                commit=_commit(),
+                started=results["machine"]["date"],
+                load_avg_at_start=results["machine"]["load_avg_at_start"],
+            )
         dest = ROOT / "benchmarks" / "results" / "latest.json"
         # The runs are kept before the plan checks start: a failure there loses nothing.
         partial = dest.with_name("runs-" + time.strftime("%Y%m%d-%H%M%S") + ".json")
