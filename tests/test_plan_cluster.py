@@ -18,7 +18,13 @@ import torch
 
 from fullshard.bench.cli import fullshard_available
 from fullshard.memory.cli import main
-from fullshard.memory.cluster import ClusterSpec, cluster_plan, memory_spec, volumes
+from fullshard.memory.cluster import (
+    ClusterSpec,
+    cluster_plan,
+    memory_spec,
+    model_params,
+    volumes,
+)
 from fullshard.memory.hardware import gpu
 from fullshard.memory.measure import measure_rank
 from fullshard.memory.planner import PlanSpec, plan
@@ -179,3 +185,31 @@ def test_cluster_cli_json_and_budget_ranking(capsys: pytest.CaptureFixture[str])
     assert any("TP 2" in r["config"] for r in ranking) and any(
         "HSDP" in r["config"] for r in ranking
     )
+
+
+def test_405b_at_512_gpus_plans_in_seconds() -> None:
+    """Llama 3.1 405B, 512 GPUs (FSDP 8 x TP 8 x PP 8): three traced blocks, not 126."""
+    import time
+
+    from fullshard.memory.cluster_cli import HF_SHAPES
+    from fullshard.train import hf
+
+    cfg = hf.make_config(dict(HF_SHAPES["llama3.1-405b"]))
+    start = time.perf_counter()
+    spec = ClusterSpec(
+        hf_config=cfg,
+        gpu=gpu("h100"),
+        gpus=512,
+        tp=8,
+        pp=8,
+        batch=4,
+        local_batch=32,
+        seq=8192,
+        ac="full",
+    )
+    p = cluster_plan(spec)
+    assert time.perf_counter() - start < 60
+    # the whole model from one GPU's stage: matrices x TP, blocks x stages (Meta: 405.9 B)
+    assert model_params(spec, p.memory) == pytest.approx(405.85e9, rel=0.01)
+    assert p.comm["tp"]["link"] == "nvlink" and p.comm["dp_shard"]["link"] == "network"
+    assert p.comm["pp"]["group"] == 8 and p.bubble_s > 0

@@ -59,7 +59,14 @@ from fullshard.memory.timing import (
 )
 from fullshard.models import GPTConfig
 
-__all__ = ["RESERVE_FRACTION", "ClusterPlan", "ClusterSpec", "cluster_plan", "volumes"]
+__all__ = [
+    "RESERVE_FRACTION",
+    "ClusterPlan",
+    "ClusterSpec",
+    "cluster_plan",
+    "model_params",
+    "volumes",
+]
 
 #: The CUDA caching allocator's reserve above the peak of live tensors (what
 #: ``torch.cuda.max_memory_reserved`` adds to ``max_memory_allocated``: block rounding and
@@ -286,7 +293,7 @@ def _flops_per_token(spec: ClusterSpec, n_params: int) -> float:
     return 6 * (n_params - vocab * width) + 12 * layers * heads * head_dim * spec.seq
 
 
-def _full_params(spec: ClusterSpec, p: Plan) -> int:
+def model_params(spec: ClusterSpec, p: Plan) -> int:
     """The whole model's parameters from one GPU's TP-local stage: matrices x T (1-D weights
     are replicated over TP), blocks x P."""
     t = spec.tp
@@ -383,7 +390,7 @@ def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
     opt = shard_numel * OPTIMIZER_BYTES_PER_PARAM / (g.hbm_bytes_per_s * HBM_EFFICIENCY)
     step = m * per_mb + bubble + exposed + opt
     tokens = (spec.local_batch or spec.batch) * spec.seq / t / spec.pp  # per GPU per step
-    n_full = _full_params(spec, p)
+    n_full = model_params(spec, p)
     fpt = _flops_per_token(spec, n_full)
     tps = tokens / step
     comm = {

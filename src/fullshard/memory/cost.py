@@ -76,7 +76,11 @@ def _nbytes(t: torch.Tensor) -> int:
 class OpCost(TorchDispatchMode):
     """Running totals of matmul FLOPs, attention FLOPs and bytes moved by every other op."""
 
-    def __init__(self, classify: Callable[[torch.Tensor], bool] | None = None) -> None:
+    def __init__(
+        self,
+        classify: Callable[[torch.Tensor], bool] | None = None,
+        on_matmul_input: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         super().__init__()
         self.mm_flops = 0
         self.attn_flops = 0
@@ -84,6 +88,7 @@ class OpCost(TorchDispatchMode):
         self.hidden_mem_bytes = 0
         self.mm_operand_bytes = 0  # the matmuls' tensor inputs (what float8 casts)
         self.classify = classify
+        self.on_matmul_input = on_matmul_input  # called with each residual-stream mm input
 
     def totals(self) -> tuple[int, int, int, int, int]:
         return (
@@ -101,6 +106,9 @@ class OpCost(TorchDispatchMode):
         if packet in _MM:
             self.mm_flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
             self.mm_operand_bytes += sum(_nbytes(t) for t in args if isinstance(t, torch.Tensor))
+            x = args[1] if packet is aten.addmm else args[0]
+            if self.on_matmul_input is not None and self.classify is not None and self.classify(x):
+                self.on_matmul_input(x)
         elif packet in _ATTN_FWD:
             self.attn_flops += attention_flops(args[0].shape, args[1].shape, args[2].shape)
         elif packet in _ATTN_BWD:

@@ -323,7 +323,13 @@ def _run_fake(
         return t.dim() >= 2 and t.shape[-1] == width and t.numel() == tokens * width
 
     tracker = LiveTensorBytes(classify=lambda t: "hidden" if is_hidden(t) else "other")
-    cost = OpCost(classify=is_hidden)
+
+    def gathered(t: torch.Tensor) -> None:
+        """A matmul reads this residual-stream tensor: under sequence parallelism it is the
+        all-gathered, full-length copy (what a column-parallel linear saves), not a shard."""
+        tracker.recategorize(t, "hidden", "gathered")
+
+    cost = OpCost(classify=is_hidden, on_matmul_input=gathered)
     segments: list[Segment] = []
     owner: dict[int, int] = {}  # id(param) -> unit index
     for i, (_, mod) in reversed(list(enumerate(named))):

@@ -192,6 +192,14 @@ class LiveTensorBytes(TorchDispatchMode):
             self.by_category[category] = self.by_category.get(category, 0) + entry.nbytes
             entry.category = category
 
+    def recategorize(self, t: torch.Tensor, old: str, new: str) -> None:
+        """Move those of ``t``'s storages that are counted under ``old`` to ``new``."""
+        for st in _storages(t):
+            entry = self._entries.get(id(st))
+            if entry is not None and entry.ref is not None and entry.ref() is st:
+                if entry.category == old:
+                    self.set_category_storage(st, new)
+
     def reset_peak(self) -> None:
         """Start a new peak from the current live bytes."""
         self.peak = self.current
