@@ -6,7 +6,7 @@ factor on one rank, the process-group allocator knob on CPU, ``dp_mesh_dims`` me
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fullshard import fully_shard
 from fullshard.testing import run_distributed
+from test_composition_extra import _GatherExt
 
 DIM = 16
 ENGINES: dict[str, Callable[..., Any]] = {"fullshard": fully_shard, "fsdp2": torch_fully_shard}
@@ -281,6 +282,51 @@ def _unshard_before_forward(shard: Callable[..., Any]) -> dict[str, Any]:
     return out
 
 
+class _InPlaceGather(_GatherExt):
+    """An extension that computes with its gathered output as it is (no copy, as float8
+    weights do): the unsharded parameter aliases ``outputs[0]``, so every later
+    ``fsdp_post_all_gather(..., out=)`` must be handed that same storage, refilled."""
+
+    same_storage: ClassVar[list[bool]] = []
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        # FSDP2 pads the shard with new_zeros: stay the subclass, so torch runs it too
+        return cls(out) if func is torch.ops.aten.new_zeros.default else out
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,) = outputs
+        if out is not None:
+            same = out.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+            _InPlaceGather.same_storage.append(same)
+            return None
+        return data, (data,)
+
+
+def _extension_out_storage(shard: Callable[..., Any]) -> dict[str, Any]:
+    """Gathers in forward and again in backward (resharded after forward): ``out=`` is the
+    storage of the outputs that fsdp_post_all_gather is given, every time."""
+    _InPlaceGather.same_storage = []
+    model = _mlp(2, seed=6)
+    for lin in model:
+        lin.weight = nn.Parameter(_InPlaceGather(lin.weight.detach().clone()))
+        shard(lin)
+    shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        loss = model(_data(step)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "same_storage": list(_InPlaceGather.same_storage)}
+
+
 def _mesh_dims_errors(shard: Callable[..., Any]) -> dict[str, Any]:
     """dp_mesh_dims refusals: the exception type and FSDP2's message (first line)."""
     world = dist.get_world_size()
@@ -308,6 +354,7 @@ CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "comm_debug_mode": _comm_debug_mode,
     "forward_mode_ad": _forward_mode_ad,
     "unshard_before_forward": _unshard_before_forward,
+    "extension_out_storage": _extension_out_storage,
 }
 ONE_RANK_CASES = {"divide_factor_one_rank": _divide_factor_one_rank}
 
@@ -349,6 +396,7 @@ def _same(ours: Any, theirs: Any, where: str) -> None:
         "comm_debug_mode",
         "forward_mode_ad",
         "unshard_before_forward",
+        "extension_out_storage",
     ],
 )
 def test_same_as_fsdp2(case: str, two_ranks) -> None:
@@ -361,6 +409,8 @@ def test_same_as_fsdp2(case: str, two_ranks) -> None:
     if case == "unshard_before_forward":  # trains as the replicate() reference does
         for ref_loss, loss in ours["losses"]:
             assert loss == pytest.approx(ref_loss, rel=1e-5)
+    if case == "extension_out_storage":  # out= came on every gather after the first
+        assert len(ours["same_storage"]) >= 2 * 3 and all(ours["same_storage"])
     if case == "output_dtype_under_recompute":
         assert ours["seen"] == [torch.float32, torch.float32]
 

@@ -16,7 +16,11 @@ are zero-padded), then calls
 the first time (``outputs``: every input gathered rank-major, ``[world * rows, ...]``), making
 the unsharded parameter from ``unsharded`` (trimmed to the parameter's shape, as FSDP2 does),
 and ``fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded_param)`` after that,
-with the storages of ``inner`` reallocated first (they are freed at reshard). Gradients are
+with the storages of ``inner`` reallocated first (they are freed at reshard). ``outputs`` are
+the same tensors on every gather (their storage freed at reshard and reallocated before the
+next gather), as in FSDP2: an extension that computes with its gathered output as it is
+(float8 weights) returns a view of it the first time and finds ``out`` refilled in place
+after. Gradients are
 reduced like any other parameter's. Such parameters sit outside the unit's packed buffer
 (:class:`~fullshard.group.ParamGroup` keeps them in ``extended``). As in FSDP2:
 
@@ -78,7 +82,8 @@ class _Gathered:
 
     sp: ShardedParam
     handles: list[C.Handle]
-    outputs: list[torch.Tensor]  # each [world * rows, *rest]
+    outputs: list[torch.Tensor]  # the kept outputs, each [world, *input shape]
+    received: list[torch.Tensor]  # a custom all-gather's own buffers (copied into outputs)
     metadata: Any
 
 
@@ -91,6 +96,9 @@ class ExtensionGather:
         self.params = params
         self._on_grad = on_grad
         self._inner: dict[int, tuple[torch.Tensor, ...]] = {}  # id(sp) -> freed at reshard
+        # id(sp) -> its all-gather outputs, 1-D: kept from one gather to the next (storage
+        # freed at reshard), so every fsdp_post_all_gather sees the same tensors, as in FSDP2
+        self._outputs: dict[int, list[torch.Tensor]] = {}
         self._pending: list[_Gathered] = []
 
     def start(self, g: ParamGroup) -> None:
@@ -112,15 +120,31 @@ class ExtensionGather:
                 module = sp.refs[0][0]
                 stride = torch.empty(sp.data_shape, device="meta").stride()
                 inputs, metadata = pre(mesh, sp.data_shape, stride, module, g.mp_policy)
-            handles, outputs = [], []
-            for t in inputs:
-                send = _padded(t, sp)
-                out = allocate(comm, world * send.numel(), send.dtype, g.device)
-                what = f"unit {g.name!r}, parameter {sp.fqn!r} (all-gather extension)"
+            sends = [_padded(t, sp) for t in inputs]
+            kept = self._kept_outputs(sp, [(world * t.numel(), t.dtype) for t in sends], g.device)
+            handles, received = [], []
+            what = f"unit {g.name!r}, parameter {sp.fqn!r} (all-gather extension)"
+            for send, out in zip(sends, kept):
+                if comm is not None:  # a custom all-gather gathers into what it allocates
+                    out = allocate(comm, out.numel(), out.dtype, g.device)
+                    received.append(out)
                 with g.streams.use("gather"):
                     handles.append(C.all_gather(out, send.view(-1), group, what=what, comm=comm))
-                outputs.append(out.view(world, *send.shape))
-            self._pending.append(_Gathered(sp, handles, outputs, metadata))
+            outputs = [out.view(world, *send.shape) for send, out in zip(sends, kept)]
+            self._pending.append(_Gathered(sp, handles, outputs, received, metadata))
+
+    def _kept_outputs(
+        self, sp: ShardedParam, sizes: list[tuple[int, torch.dtype]], device: torch.device
+    ) -> list[torch.Tensor]:
+        """``sp``'s all-gather outputs with storage (the same tensors each gather while the
+        inputs keep their sizes and dtypes; new ones when they change)."""
+        kept = self._outputs.get(id(sp))
+        if kept is None or [(t.numel(), t.dtype) for t in kept] != sizes:
+            kept = [torch.empty(n, dtype=dtype, device=device) for n, dtype in sizes]
+            self._outputs[id(sp)] = kept
+        for t in kept:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        return kept
 
     def finish(self, g: ParamGroup) -> None:
         """Wait for the gathers and build (first time) or refill the unsharded parameters."""
@@ -129,6 +153,8 @@ class ExtensionGather:
         for item in pending:
             for h in item.handles:
                 h.wait()
+            for out, got in zip(item.outputs, item.received):
+                out.view(-1).copy_(got)
             sp, local = item.sp, item.sp.local
             post = local.fsdp_post_all_gather  # type: ignore[attr-defined]
             outputs = tuple(_joined(out, sp) for out in item.outputs)
@@ -136,7 +162,10 @@ class ExtensionGather:
                 if sp.unsharded_param is None:
                     full, inner = post(outputs, item.metadata, dtype or sp.orig_dtype)
                     stride = torch.empty(sp.data_shape, device="meta").stride()
-                    data = torch.as_strided(full, sp.data_shape, stride, 0)
+                    # ``.data``: a version counter of its own, so refilling the kept outputs
+                    # (which ``full`` may alias) does not look like an in-place write to
+                    # autograd (see [Note: one version counter per unsharded parameter])
+                    data = torch.as_strided(full, sp.data_shape, stride, 0).data
                     up = nn.Parameter(sp.as_unsharded(data), requires_grad=sp.requires_grad)
                     sp.unsharded_param = up
                     if sp.requires_grad:
@@ -156,14 +185,20 @@ class ExtensionGather:
         self._pending = []
 
     def release(self) -> None:
-        """Free the unsharded inner tensors (storage resized to 0; the objects stay valid)."""
-        for inner in self._inner.values():
-            for t in inner:
-                t.untyped_storage().resize_(0)
+        """Free the unsharded inner tensors and the gather outputs (storage resized to 0;
+        the objects stay valid for the next gather)."""
+        for t in self._held():
+            t.untyped_storage().resize_(0)
+
+    def _held(self) -> list[torch.Tensor]:
+        return [t for inner in self._inner.values() for t in inner] + [
+            t for kept in self._outputs.values() for t in kept
+        ]
 
     @property
     def bytes_allocated(self) -> int:
-        return sum(t.untyped_storage().nbytes() for inner in self._inner.values() for t in inner)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self._held()}
+        return sum(st.nbytes() for st in storages.values())
 
 
 def _padded(t: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
