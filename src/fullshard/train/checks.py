@@ -50,7 +50,10 @@ class Checked:
 
 
 def default_nproc(cfg: TrainConfig) -> int:
-    """``--nproc 0``: every GPU when training on CUDA, else 2 CPU ranks."""
+    """``--nproc 0``: the product of the degrees when ``--dp-shard`` is given (``--dp-replicate
+    2 --dp-shard 2``: 4 ranks), else every GPU when training on CUDA, else 2 CPU ranks."""
+    if cfg.dp_shard:
+        return cfg.dp_replicate * cfg.dp_shard * cfg.tp
     if uses_cuda(cfg):
         return torch.cuda.device_count()
     return 2

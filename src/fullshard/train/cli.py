@@ -237,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if in_torchrun():
         return _run_as_worker(cfg)
-    if cfg.nproc:  # before the checks that import torch: a second saved on a typo
+    ranks = cfg.nproc or (cfg.dp_replicate * cfg.dp_shard * cfg.tp)  # see default_nproc
+    if ranks:  # before the checks that import torch: a second saved on a typo
         from fullshard.train.degrees import resolve
 
         try:
-            degrees = resolve(cfg, cfg.nproc)
+            degrees = resolve(cfg, ranks)
             check_batch(cfg, degrees.dp, tp=degrees.tp)
         except ConfigError as e:
             print(f"fullshard train: error: {e}", file=sys.stderr)

@@ -73,7 +73,8 @@ class TrainConfig:
     time_budget: float = 0.0
     """Stop (saving a checkpoint) after this many seconds of training; 0 means no limit."""
     nproc: int = 0
-    """Local ranks to launch: 0 means every GPU, or 2 CPU ranks without one."""
+    """Local ranks to launch: 0 means --dp-replicate x --dp-shard x --tp when --dp-shard is
+    given, else every GPU, or 2 CPU ranks without one."""
     max_restarts: int = 1
     """Times the elastic agent restarts the whole group after a rank fails (resuming)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -362,6 +362,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
             step=start_step,
             world_size=env.world_size,
             degrees=list(env.degrees.shape),
+            attempt=env.restart_count,
             resumed_from=str(resume_from) if resume_from else None,
             parameters=n_params,
         )
