@@ -61,6 +61,16 @@ def test_selective_ac_bytes_match_a_measured_cpu_run() -> None:
     }
     acts = {ac: p.peak.bytes["activations"] for ac, p in peaks.items()}
     assert acts["full"] < acts["selective"] < acts["none"], acts
+    # what the policy saves per block: the outputs of the 1st and 3rd matmuls (qkv 3d, MLP
+    # fc 4d) and of attention (d, + its fp32 logsumexp per head), and the block's output
+    b, s, d, h = 2, 64, 64, 4
+    cfg = GPTConfig(n_layer=5, d_model=d, n_head=h, seq_len=s, tie_embeddings=False)
+    seg = {
+        x.label: x
+        for x in plan(PlanSpec(model=cfg, world_size=2, batch=b, seq=s, ac="selective")).segments
+    }
+    per_block = seg["forward blocks.3"].start - seg["forward blocks.2"].start
+    assert per_block == (3 + 4 + 1 + 1) * b * s * d * 4 + b * h * s * 4
     ranks = run_distributed(
         measure_rank, 2, asdict(ACT_HEAVY), 4, 128, ENGINE, 3, True, "selective", timeout=180
     )
@@ -187,12 +197,23 @@ def test_cluster_cli_json_and_budget_ranking(capsys: pytest.CaptureFixture[str])
     )
 
 
-def test_405b_at_512_gpus_plans_in_seconds() -> None:
+def test_405b_at_512_gpus_plans_in_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Llama 3.1 405B, 512 GPUs (FSDP 8 x TP 8 x PP 8): three traced blocks, not 126."""
     import time
 
+    import fullshard.memory.planner as planner
     from fullshard.memory.cluster_cli import HF_SHAPES
     from fullshard.train import hf
+
+    built: list[int] = []
+    build = planner.build_model
+
+    def spy(spec: PlanSpec) -> torch.nn.Module:
+        model = build(spec)
+        built.append(len(model.model.layers))  # type: ignore[arg-type, union-attr]
+        return model
+
+    monkeypatch.setattr(planner, "build_model", spy)
 
     cfg = hf.make_config(dict(HF_SHAPES["llama3.1-405b"]))
     start = time.perf_counter()
@@ -209,6 +230,7 @@ def test_405b_at_512_gpus_plans_in_seconds() -> None:
     )
     p = cluster_plan(spec)
     assert time.perf_counter() - start < 60
+    assert built == [3]  # the stage's 16 blocks, traced as 3
     # the whole model from one GPU's stage: matrices x TP, blocks x stages (Meta: 405.9 B)
     assert model_params(spec, p.memory) == pytest.approx(405.85e9, rel=0.01)
     assert p.comm["tp"]["link"] == "nvlink" and p.comm["dp_shard"]["link"] == "network"
