@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .events import emit
+from .labels import label
 from .overrides import allocate
 from .quant import dequantize_int8, quantize_int8
 
@@ -181,6 +182,6 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
 
 def _copy_out(g: ParamGroup) -> None:
     """Placements whose unsharded form is not a view of the buffer copy themselves out."""
-    with torch.no_grad():
+    with torch.no_grad(), label("all_gather_copy_out", g.name):
         for sp, region in zip(g.layout, g.regions()):
             sp.copy_out(region)

@@ -21,6 +21,7 @@ from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from .events import emit
 from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
+from .labels import labelled
 from .mesh import MeshInfo
 from .overrides import CommOverrides
 from .param import ShardedParam
@@ -470,6 +471,7 @@ class ParamGroup:
     def _to(self, new: ShardedState) -> None:
         self.state = transition(self.name, self.state, new)
 
+    @labelled("all_gather")
     def unshard(self) -> None:
         """Issue the all-gather of this unit's parameters (no-op if unsharded or in flight)."""
         if not self.params or self.state in (ShardedState.UNSHARDED, ShardedState.UNSHARDING):
@@ -497,6 +499,7 @@ class ParamGroup:
                 sp.unsharded_param.data = local
                 self._aliased[i] = local
 
+    @labelled("all_gather_wait")
     def wait_for_unshard(self) -> None:
         """Finish the all-gather (issuing it if needed) and expose the unsharded parameters."""
         if not self.params or self.state is ShardedState.UNSHARDED:
@@ -515,6 +518,7 @@ class ParamGroup:
         self._to(ShardedState.UNSHARDED)
 
     # ---------------------------------------------------------------------------- reshard
+    @labelled("reshard")
     def reshard(self, recycle: bool = False, lend: bool = False) -> None:
         """Free the unsharded parameters (and any kept copy); register the sharded ones.
 
@@ -598,6 +602,7 @@ class ParamGroup:
             return False
         return self._grads_seen == self._grads_expected
 
+    @labelled("reduce_scatter")
     def reduce_grads(self, recycle: bool = False, slab: int = 0) -> list[PendingReduce]:
         """Post-backward: take the gradients, reshard (``recycle``: see :meth:`reshard`),
         then reduce-scatter them. ``slab``: first open a slab of that many bytes for the

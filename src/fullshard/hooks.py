@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .context import StepContext
 from .events import emit
 from .group import ParamGroup
+from .labels import labelled
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
 from .state import ShardedState, TrainingState
@@ -136,6 +137,7 @@ class FSDPState:
     # breaks the graph at each unit boundary and runs them eagerly (FSDP2's default,
     # ``skip_fsdp_hooks``, does the same for its own). The backward hooks run eagerly anyway.
     @torch.compiler.disable
+    @labelled("pre_forward")
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -166,6 +168,7 @@ class FSDPState:
         emit("forward_start", self.name)
 
     @torch.compiler.disable
+    @labelled("post_forward")
     def post_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
@@ -208,6 +211,7 @@ class FSDPState:
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
 
+    @labelled("pre_backward")
     def pre_backward(self) -> None:
         """Gather this unit for its backward and prefetch the unit that runs backward next."""
         ctx = self._context()
@@ -231,6 +235,7 @@ class FSDPState:
         if self.group.on_grad_accumulated():
             self.post_backward()
 
+    @labelled("post_backward")
     def post_backward(self) -> None:
         """All of the unit's gradients are ready: reshard and reduce-scatter them."""
         ctx = self._context()

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .events import emit
+from .labels import labelled
 from .overrides import CommOverrides, allocate, run_hook
 from .param import ShardedParam, _dtensor_like
 
@@ -132,6 +133,7 @@ class PendingReduce:
                 self.handle = C.all_reduce(self.output, self.replicate_group, what=self.what)
             self.allreduce_issued = True
 
+    @labelled("reduce_scatter_wait", unit_attr="unit")
     def finish(self) -> None:
         """Wait, then hand every parameter its gradient shard (or keep a partial sum)."""
         self.advance()
