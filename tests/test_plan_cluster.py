@@ -235,3 +235,22 @@ def test_405b_at_512_gpus_plans_in_seconds(monkeypatch: pytest.MonkeyPatch) -> N
     assert model_params(spec, p.memory) == pytest.approx(405.85e9, rel=0.01)
     assert p.comm["tp"]["link"] == "nvlink" and p.comm["dp_shard"]["link"] == "network"
     assert p.comm["pp"]["group"] == 8 and p.bubble_s > 0
+
+
+def test_units_kept_after_forward_are_gathered_one_at_a_time() -> None:
+    """reshard_after_forward=False (what PP runs): each unit is gathered when forward reaches
+    it (plus the prefetch) and then kept, not all at the step's start with all their buffers."""
+    cfg = GPTConfig(n_layer=6, d_model=64, n_head=4, seq_len=32, tie_embeddings=False)
+    spec = PlanSpec(
+        model=cfg,
+        world_size=4,
+        batch=1,
+        seq=32,
+        reshard_after_forward=False,
+        engine="fullshard-nccl",
+    )
+    p = plan(spec)
+    first = next(e for e in p.events if e.label.startswith("all-gather"))
+    assert first.label.startswith("all-gather of root, blocks.0 ("), first.label
+    kept = {e.label: e.bytes.get("gathered units", 0) for e in p.events}
+    assert kept["loss"] == sum(u.padded_numel * 4 for u in p.units)  # all kept until backward

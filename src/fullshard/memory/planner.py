@@ -487,9 +487,12 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
                     break
                 end += 1
             out = {0, *order[lo:end]}
-        if not spec.reshard_after_forward:  # everything gathered once stays until its backward
-            out |= set(range(n)) - reduced
+        if not spec.reshard_after_forward:  # what was gathered once stays until its backward
+            out |= ever - reduced
+            ever.update(out)
         return out
+
+    ever: set[int] = set()  # units gathered so far in this step
 
     def act(live: int, grads: int, hidden: int) -> int:
         """Activation bytes; sequence parallelism shards the residual stream's over TP."""
