@@ -316,13 +316,13 @@ def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
     if spec.pp > 1:
         # 1F1B: the first stage holds min(P, m) micro-batches' block activations (what its
         # blocks keep for backward, from the first block's input to the last block's output)
-        fwd = [i for i, x in enumerate(p.segments) if x.phase == "forward" and x.unit > 0]
-        a, z = p.segments[fwd[0]], p.segments[fwd[-1] + 1]
+        blk = [i for i, x in enumerate(p.segments) if x.phase == "forward" and x.unit > 0]
+        into, out_of = p.segments[blk[0]], p.segments[blk[-1] + 1]
 
         def held(x: Segment) -> int:
             return x.start - x.start_grads - x.start_hidden + x.start_hidden // t
 
-        saved = held(z) - held(a) + spec.batch * spec.seq * _width(spec) * bp // t
+        saved = held(out_of) - held(into) + spec.batch * spec.seq * _width(spec) * bp // t
         peak += (min(spec.pp, m) - 1) * max(saved, 0)
         if m > 1:
             peak += 4 * sum(numels)  # unsharded fp32 gradients accumulated over micro-batches
