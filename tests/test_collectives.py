@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import collectives as C
+from fullshard.backend import P2P_MIN_BYTES, P2P_SMALL_BYTES
 from fullshard.testing import run_distributed
 
 N = 1000  # elements per rank's chunk
@@ -152,8 +153,8 @@ def _rank_main() -> dict[str, object]:
     C.all_gather(out, _chunk(me, 0, torch.bfloat16), world, algorithm="p2p").wait()
     assert torch.equal(out, torch.cat([_chunk(g, 0, torch.bfloat16) for g in range(4)]))
     # what "auto" picks on gloo, as recorded
-    big = C.P2P_MIN_BYTES // 4 // 2  # fp32 elements per rank: a full buffer of >= P2P_MIN_BYTES
-    mid = C.P2P_SMALL_BYTES // 4  # 2 ranks: a full buffer of 2 x P2P_SMALL_BYTES, between both
+    big = P2P_MIN_BYTES // 4 // 2  # fp32 elements per rank: a full buffer of >= P2P_MIN_BYTES
+    mid = P2P_SMALL_BYTES // 4  # 2 ranks: a full buffer of 2 x P2P_SMALL_BYTES, between both
     with C.count_collectives() as stats:
         for group, size in ((world, 4), (pair, 2)):
             for n in (N, mid, big):
@@ -189,7 +190,7 @@ def test_every_algorithm_matches_the_collective(results: list[dict[str, object]]
 def test_auto_picks_p2p_where_it_is_faster_and_free(results: list[dict[str, object]]) -> None:
     # 4 ranks: gloo's all-gather and the in-place all-reduce below P2P_MIN_BYTES, the p2p
     # all-gather above it. 2 ranks: p2p for small buffers (one round trip, not gloo's) and
-    # large ones, gloo's collectives between (see collectives.P2P_SMALL_BYTES)
+    # large ones, gloo's collectives between (see backend.P2P_SMALL_BYTES)
     assert results[0]["picked"] == [
         ("all_gather", 4, "all_gather"),
         ("reduce_scatter", 4, "all_reduce"),

@@ -177,8 +177,8 @@ def test_parity_and_counts(world: int, references) -> None:
         assert leftover == [0] * STEPS, f"{case}: gathered storage left after a step {leftover}"
         assert paths == _expected_paths(name, transport, world), f"{case}: {sorted(paths)}"
         # gloo: pieces are p2p exchanges; packed buffers this small are one p2p message per
-        # peer on 2-rank groups (collectives.P2P_SMALL_BYTES), and on larger groups gloo's
-        # all-gather and the in-place all-reduce (collectives.P2P_MIN_BYTES)
+        # peer on 2-rank groups (backend.P2P_SMALL_BYTES), and on larger groups gloo's
+        # all-gather and the in-place all-reduce (backend.P2P_MIN_BYTES)
         for kind, size, algo in algos:
             small = "p2p" if size == 2 else "all_gather" if kind == "all_gather" else "all_reduce"
             pieces = transport == "p2p" and not (name.startswith("raf_2") and size == 2)

@@ -52,6 +52,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from .backend import BackendPlan
+
 __all__ = [
     "CollectiveError",
     "CollectiveRecord",
@@ -270,36 +272,20 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 _next_tag: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 _P2P_TAG_BASE = 1 << 20
 _P2P_TAG_SPACE = 1 << 30
-# Up to this many ranks a gloo all-gather is N - 1 sends and receives per rank; measured on 2
-# and 4 ranks. Past it, gloo's own all-gather (a ring) is used.
-P2P_MAX_RANKS = 8
-# Between these two sizes (the full buffer) gloo's own collectives are kept; outside it, on 2
-# ranks, one message per peer wins. Small buffers are latency: gloo's all-gather and its ring
-# all-reduce (two round trips) against one send and one receive. Large ones are bandwidth: see
-# [Note: p2p on gloo]. Quiet machine, ``python benchmarks/collectives.py --nproc 2 --sizes
-# 0.004 0.016 0.064 0.128 0.25 0.5 --iters 200``, two runs, ms: all-gather 0.40-0.57 (gloo) vs
-# 0.33-0.51 (p2p) up to 0.128 MiB; reduce-scatter 0.61-1.06 (as all-reduce) vs 0.34-0.61 (p2p)
-# up to 0.128 MiB, while at 0.25-0.5 MiB a p2p exchange sometimes took 2-3.6 ms. Both bands
-# matter to small units (``fullshard bench --config overhead``: 64 units of 4.5 KiB).
-P2P_MIN_BYTES = 512 * 1024
-P2P_SMALL_BYTES = 64 * 1024
 
 
 def _algorithm(
-    kind: str, requested: str, group: ProcessGroup, device: torch.device, nbytes: int
+    kind: str,
+    requested: str,
+    group: ProcessGroup,
+    device: torch.device,
+    nbytes: int,
+    plan: BackendPlan | None = None,
 ) -> str:
     """The call that implements ``kind`` on an ``nbytes`` buffer: ``requested`` unless it is
-    ``"auto"``.
-
-    ``"auto"`` on gloo (CPU tensors), for buffers of at least ``P2P_MIN_BYTES``: the all-gather
-    is a p2p exchange up to ``P2P_MAX_RANKS`` ranks; the reduce-scatter is a p2p exchange on 2
-    ranks, where the one received chunk lands in the output and needs no scratch, and an
-    in-place all-reduce on more (a p2p reduce-scatter holds N - 2 received chunks in scratch at
-    once: 24 MiB per rank on ``fullshard bench --config memory --nproc 4``, +30 MiB peak RSS,
-    above FSDP2's). On 2 ranks buffers of at most ``P2P_SMALL_BYTES`` are p2p exchanges too
-    (one round trip instead of gloo's). The rest use gloo's all-gather and the in-place
-    all-reduce. Other backends use their own collective.
-    """
+    ``"auto"``, which asks the backend plan (``plan``, else the group's default one; see
+    :meth:`fullshard.backend.BackendPlan.algorithm`). While torch's ``CommDebugMode``
+    watches, the collective itself ([Note: collectives under torch's tools])."""
     known = ("auto", kind, "p2p", *(("all_reduce",) if kind == "reduce_scatter" else ()))
     if requested not in known:
         raise ValueError(f"{kind}: unknown algorithm {requested!r}; choose from {known}")
@@ -307,14 +293,8 @@ def _algorithm(
         return requested
     if watched_by_torch_tools():
         return kind
-    if "gloo" not in str(dist.get_backend(group)) or device.type != "cpu":
-        return kind
-    size = dist.get_world_size(group)
-    large = nbytes >= P2P_MIN_BYTES
-    small = size == 2 and nbytes <= P2P_SMALL_BYTES
-    if kind == "reduce_scatter":
-        return "p2p" if size == 2 and (large or small) else "all_reduce"
-    return "p2p" if (size <= P2P_MAX_RANKS and large) or small else kind
+    plan = plan or BackendPlan.for_group(group, device)
+    return plan.algorithm(kind, dist.get_world_size(group), nbytes)
 
 
 def _start(
@@ -370,6 +350,7 @@ def all_gather(
     algorithm: str = "auto",
     what: str = "",
     comm: Any = None,
+    plan: BackendPlan | None = None,
 ) -> Handle:
     """Gather every rank's ``input`` (1-D, equal sizes) into ``output`` (rank-major).
 
@@ -388,7 +369,7 @@ def all_gather(
             "all_gather", "custom", what, size, comm, output, input, group=group, async_op=async_op
         )
     nbytes = output.numel() * output.element_size()
-    algorithm = _algorithm("all_gather", algorithm, group, output.device, nbytes)
+    algorithm = _algorithm("all_gather", algorithm, group, output.device, nbytes, plan)
     _record("all_gather", output, size, algorithm)
     if algorithm != "p2p":
         return _start(
@@ -448,6 +429,7 @@ def reduce_scatter(
     algorithm: str = "auto",
     what: str = "",
     comm: Any = None,
+    plan: BackendPlan | None = None,
 ) -> Handle:
     """Sum ``input`` (1-D, rank-major chunks) across ranks; this rank's chunk lands in ``output``.
 
@@ -479,7 +461,7 @@ def reduce_scatter(
             async_op=async_op,
         )
     nbytes = input.numel() * input.element_size()
-    algorithm = _algorithm("reduce_scatter", algorithm, group, input.device, nbytes)
+    algorithm = _algorithm("reduce_scatter", algorithm, group, input.device, nbytes, plan)
     _record("reduce_scatter", input, size, algorithm)
     me = dist.get_rank(group)
     chunks = list(input.view(size, -1))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .backend import SMALL_UNIT_WINDOW_BYTES, BackendPlan
 from .events import emit
 from .pool import HostBufferPool
 from .reduce import PendingReduce, lendable_output_nbytes
@@ -50,20 +51,19 @@ if TYPE_CHECKING:
 
 __all__ = ["SMALL_UNIT_WINDOW_BYTES", "StepContext"]
 
-#: Unsharded bytes that may be gathered ahead beyond the next unit, and reduced in flight beyond
-#: ``max_pending`` units, on the CPU ([Note: a window for small units]).
-SMALL_UNIT_WINDOW_BYTES = 256 * 1024
-
 
 class StepContext:
     """Root-level coordination of one model's units (see the module docstring)."""
 
-    def __init__(self, root: FSDPState, states: list[FSDPState], device: torch.device) -> None:
+    def __init__(
+        self, root: FSDPState, states: list[FSDPState], device: torch.device, plan: BackendPlan
+    ) -> None:
         self.root = root
         self.states = states  # every unit, root first, in module order
-        self.streams = CommStreams(device)
+        self.plan = plan  # every backend-dependent choice ([Note: the backend plan])
+        self.streams = CommStreams(device, plan)
         # Freed unsharded buffers for the next gather; emptied between steps (fullshard.pool).
-        self.pool = HostBufferPool(device)
+        self.pool = HostBufferPool(device, plan)
         self.forward_order: list[FSDPState] = []
         self.prev_forward_order: list[FSDPState] = []
         self.post_forward_order: list[FSDPState] = []
@@ -82,7 +82,7 @@ class StepContext:
         self._fwd_issued = self._bwd_issued = 0
         self.pending: list[PendingReduce] = []
         # [Note: a window for small units]: bytes beyond the next gather / max_pending.
-        self.window_bytes = SMALL_UNIT_WINDOW_BYTES if device.type == "cpu" else 0
+        self.window_bytes = plan.window_bytes
         self.max_pending = 1  # reductions allowed in flight (see update_max_pending)
         self.reduce_window_bytes = self.window_bytes
         self.update_max_pending()

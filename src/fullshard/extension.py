@@ -129,7 +129,9 @@ class ExtensionGather:
                     out = allocate(comm, out.numel(), out.dtype, g.device)
                     received.append(out)
                 with g.streams.use("gather"):
-                    handles.append(C.all_gather(out, send.view(-1), group, what=what, comm=comm))
+                    handles.append(
+                        C.all_gather(out, send.view(-1), group, what=what, comm=comm, plan=g.plan)
+                    )
             outputs = [out.view(world, *send.shape) for send, out in zip(sends, kept)]
             self._pending.append(_Gathered(sp, handles, outputs, received, metadata))
 

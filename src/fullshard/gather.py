@@ -125,7 +125,7 @@ def _gather_packed(g: ParamGroup) -> PendingGather:
         with g.streams.use("gather"):  # offload: the H2D copy-in runs on the side stream
             inp = _pack_shards(g, out.view(g.world, g.total)[g.info.shard_rank])
     with g.streams.use("gather"):
-        handle = C.all_gather(out, inp, group, what=what, comm=comm)
+        handle = C.all_gather(out, inp, group, what=what, comm=comm, plan=g.plan)
     return PendingGather(handle, out, inp)
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .backend import BackendPlan
 from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from .events import emit
 from .extension import ExtensionGather, has_extension
@@ -30,7 +31,7 @@ from .pool import BufferContent, HostBufferPool
 from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
 from .state import ShardedState, transition
 from .streams import CommStreams
-from .transport import Transport, transport_for_group
+from .transport import Transport, select_transport
 
 __all__ = ["ParamGroup"]
 
@@ -87,10 +88,13 @@ class ParamGroup:
         # Chosen at lazy init (init_layout, see fullshard.transport); streams are shared by the
         # root's units.
         self.transport = Transport(self.comm_policy.transport, False, False)
-        self.streams = CommStreams(torch.device("cpu"))
+        # The root's backend plan ([Note: the backend plan] in fullshard.backend), set at lazy
+        # init; until then the device's default one.
+        self.plan = BackendPlan.choose(device.type, "")
+        self.streams = CommStreams(torch.device("cpu"), BackendPlan.choose("cpu", ""))
         # Freed unsharded buffers kept for the next gather: the root context's (shared by its
         # units, set at lazy init); until then one that keeps nothing.
-        self.pool = HostBufferPool(device, capacity=0)
+        self.pool = HostBufferPool(device, self.plan, capacity=0)
         # Knobs (set_* methods of FSDPModule).
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -182,6 +186,7 @@ class ParamGroup:
             for sub in by_mesh
         ]
         for child in self.subgroups:
+            child.plan = self.plan
             child.streams = self.streams
             child.pool = self.pool
             child.overrides = self.overrides
@@ -193,13 +198,14 @@ class ParamGroup:
             off += sp.shard_numel
         self.total = off
         dtype = self.compute_dtype()
-        self.transport = transport_for_group(
+        self.transport = select_transport(
             self.comm_policy.transport,
-            self.info.shard_group,
-            self.device.type,
+            self.plan.backend,
+            self.plan.device_type,
             self.world,
             self.world * self.total * dtype.itemsize,
             aliasable=self._aliasable(),
+            plan=self.plan,
         )
         if self.transport.local:  # [Note: a shard group of one rank]
             self.unsharded_buf, self._regions = None, []

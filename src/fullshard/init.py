@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .backend import BackendPlan
 from .context import StepContext
 from .hooks import FSDPState, states_under
 from .mesh import MeshInfo, mesh_info, mesh_info_from_dims
@@ -232,12 +233,16 @@ def lazy_init(root: FSDPState) -> StepContext:
             f"module.to_empty(device=...) and then reset_parameters() (or load a "
             f"checkpoint) before the forward pass"
         )
-    ctx = StepContext(root, states, root.group.device)
+    plan = BackendPlan.for_group(
+        root.group.info.shard_group, root.group.device, root.group.comm_policy.cpu_fast_paths_off
+    )
+    ctx = StepContext(root, states, root.group.device, plan)
     if root.shared_streams is not None:  # share_comm_ctx: one set of streams for several roots
         ctx.streams = root.shared_streams
     _assign_shared_params(states)
     for st in states:
         st.ctx = ctx
+        st.group.plan = plan
         st.group.streams = ctx.streams
         st.group.pool = ctx.pool
         st.group.init_layout(st.on_grad_accumulated)

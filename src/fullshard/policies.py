@@ -89,14 +89,26 @@ class CommPolicy:
       (one rank-major buffer per collective, what NCCL runs), ``"p2p"`` (point-to-point
       exchanges straight into / out of each parameter, no packed buffers) or ``"auto"`` (the
       faster for the backend: p2p pieces on gloo, packed on NCCL).
+    - ``cpu_fast_paths_off``: CPU special cases to switch off, read from the root unit's policy
+      (names in ``fullshard.backend.CPU_CHOICES``: ``"pieces"``, ``"p2p_collectives"``,
+      ``"small_unit_window"``, ``"buffer_pool"``, ``"grad_slabs"``; see [Note: the backend
+      plan]). Results are the same with any of them off; only speed and memory change.
     """
 
     all_gather_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     block_size: int = 256
     transport: str = "auto"
+    cpu_fast_paths_off: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from .backend import CPU_CHOICES
+
+        unknown = [c for c in self.cpu_fast_paths_off if c not in CPU_CHOICES]
+        if unknown:
+            raise ValueError(
+                f"CommPolicy.cpu_fast_paths_off names {unknown}; choose from {CPU_CHOICES}"
+            )
         if self.transport not in ("auto", "packed", "p2p"):
             raise ValueError(
                 f"CommPolicy.transport must be 'auto', 'packed' or 'p2p', got {self.transport!r}"

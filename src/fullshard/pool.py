@@ -89,6 +89,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .backend import BackendPlan
+
 __all__ = ["BufferContent", "HostBufferPool"]
 
 
@@ -106,16 +108,17 @@ class BufferContent:
 class HostBufferPool:
     """Freed CPU storages kept for the next same-size gather (see the Note above)."""
 
-    def __init__(self, device: torch.device, capacity: int = 3) -> None:
-        # CUDA has its caching allocator; the swap is a private torch API (checked once).
-        self.enabled = device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    def __init__(self, device: torch.device, plan: BackendPlan, capacity: int = 3) -> None:
+        # CUDA has its caching allocator: the plan recycles on the CPU only ([Note: the
+        # backend plan] in fullshard.backend)
+        self.enabled = plan.buffer_pool
         self.capacity = capacity
         self.device = device
         # (carrier storage, content token or None), oldest first
         self._free: list[tuple[torch.UntypedStorage, object]] = []
         # [Note: gradient memory lent for the next forward]: slabs lent out as reduce-scatter
         # outputs (they become the gradients), the one being filled and its fill offset.
-        self.lends = self.enabled and hasattr(torch._C, "_storage_Use_Count")
+        self.lends = plan.grad_slabs
         self._lent: list[torch.UntypedStorage] = []
         self._open: torch.UntypedStorage | None = None
         self._offset = 0

@@ -284,7 +284,9 @@ def _reduce_packed(
             allocate(comm, total, dtype, g.device) if comm is not None else _output(g, total, dtype)
         )
     with g.streams.use("reduce"):
-        handle = C.reduce_scatter(out, send.view(-1), g.reduce_group, what=what, comm=comm)
+        handle = C.reduce_scatter(
+            out, send.view(-1), g.reduce_group, what=what, comm=comm, plan=g.plan
+        )
     return handle, out, send
 
 

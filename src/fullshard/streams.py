@@ -27,15 +27,17 @@ from typing import Any
 
 import torch
 
+from .backend import BackendPlan
+
 __all__ = ["CommStreams"]
 
 
 class CommStreams:
     """The side streams one root's units share (created at lazy init)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, plan: BackendPlan) -> None:
         self.device = device
-        self.enabled = device.type == "cuda"
+        self.enabled = plan.streams  # CUDA ([Note: the backend plan] in fullshard.backend)
         self._streams: dict[str, Any] = {}
         if self.enabled:
             for name in ("gather", "reduce", "offload"):

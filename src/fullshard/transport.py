@@ -18,24 +18,24 @@ no offload, no replicas, no wire dtype) moves nothing at all: its transport is `
 (see [Note: a shard group of one rank] in ``fullshard.group``).
 
 ``auto`` keeps what measured best: on gloo (CPU tensors), for units of at least
-``collectives.P2P_MIN_BYTES`` (512 KiB unsharded; below it a message's round trip costs more
+``backend.P2P_MIN_BYTES`` (512 KiB unsharded; below it a message's round trip costs more
 than the copies saved), gathers in pieces up to 8 ranks and reductions in pieces on 2 ranks
 (on more, a p2p reduce-scatter needs N - 2 chunks of scratch, +30 MiB peak RSS per rank at
 N = 4 on ``fullshard bench --config memory``); packed everywhere else (NCCL). A packed
 buffer's collective on gloo may itself be one p2p message per peer (on 2 ranks, up to
-``collectives.P2P_SMALL_BYTES``: see ``collectives._algorithm``). A unit chooses once, at lazy init (:func:`select_transport`); the planner's engine
-model (``fullshard.memory.planner``) and the benchmarks' variants use the same function.
+``backend.P2P_SMALL_BYTES``: see ``BackendPlan.algorithm``). A unit chooses once, at lazy
+init (:func:`select_transport`, from its root's backend plan: [Note: the backend plan]); the
+planner's engine model (``fullshard.memory.planner``) and the benchmarks' variants use the same
+function.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from .backend import BackendPlan
 
-from .collectives import P2P_MAX_RANKS, P2P_MIN_BYTES
-
-__all__ = ["TRANSPORTS", "Transport", "select_transport", "transport_for_group"]
+__all__ = ["TRANSPORTS", "Transport", "select_transport"]
 
 TRANSPORTS = ("auto", "packed", "p2p")
 
@@ -70,13 +70,16 @@ def select_transport(
     unit_bytes: int,
     *,
     aliasable: bool = False,
+    plan: BackendPlan | None = None,
 ) -> Transport:
     """The transport for a unit of ``unit_bytes`` (its unsharded size) sharded over
     ``shard_size`` ranks of a ``backend`` group.
 
     ``aliasable``: the unit's unsharded parameters could be its shards themselves (same dtype,
     same device, no replicas, no wire dtype); with one rank the transport is then ``local``.
-    A pure function of its arguments (no process group needed), so the memory planner models
+    ``plan``: the root's backend plan (default: the plan for ``device_type`` and ``backend``),
+    which says whether ``auto`` may move bytes in pieces ([Note: the backend plan]). A pure
+    function of its arguments (no process group needed), so the memory planner models
     exactly what the engine will run.
     """
     if requested not in TRANSPORTS:
@@ -87,26 +90,9 @@ def select_transport(
         return Transport(requested, False, False)
     if requested == "p2p":
         return Transport(requested, True, True)
-    # auto: pieces only where p2p messages pay off (see collectives.P2P_MIN_BYTES)
-    pieces = "gloo" in backend and device_type == "cpu" and unit_bytes >= P2P_MIN_BYTES
+    plan = plan or BackendPlan.choose(device_type, backend)
     return Transport(
         requested,
-        gathers_in_pieces=pieces and shard_size <= P2P_MAX_RANKS,
-        reduces_in_pieces=pieces and shard_size == 2,
-    )
-
-
-def transport_for_group(
-    requested: str,
-    group: dist.ProcessGroup,
-    device_type: str,
-    shard_size: int,
-    unit_bytes: int,
-    *,
-    aliasable: bool = False,
-) -> Transport:
-    """:func:`select_transport` for a live process group."""
-    backend = str(dist.get_backend(group))
-    return select_transport(
-        requested, backend, device_type, shard_size, unit_bytes, aliasable=aliasable
+        gathers_in_pieces=plan.gathers_in_pieces(shard_size, unit_bytes),
+        reduces_in_pieces=plan.reduces_in_pieces(shard_size, unit_bytes),
     )

@@ -1,4 +1,4 @@
-"""``fullshard bench``: side-by-side speed, memory and traffic against torch FSDP2 and DDP.
+"""``fullshard bench``: side-by-side speed, memory and traffic against torch FSDP2, DeepSpeed and DDP.
 
 - :mod:`~fullshard.bench.configs` — the shipped configurations and modes.
 - :mod:`~fullshard.bench.worker` — one run on one rank (build, wrap, train, meter).
