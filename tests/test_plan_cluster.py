@@ -254,3 +254,30 @@ def test_units_kept_after_forward_are_gathered_one_at_a_time() -> None:
     assert first.label.startswith("all-gather of root, blocks.0 ("), first.label
     kept = {e.label: e.bytes.get("gathered units", 0) for e in p.events}
     assert kept["loss"] == sum(u.padded_numel * 4 for u in p.units)  # all kept until backward
+
+
+def test_exposed_communication_follows_the_overlap_model() -> None:
+    """[Note: the time model]: a collective costs (n-1) alpha + v / bandwidth; what the
+    prefetch schedule cannot hide under compute is exposed, never more than all of it, and
+    the step is compute + exposed + optimizer."""
+    from fullshard.memory.timing import collective_time, link_for
+
+    h100 = gpu("h100")
+    net = link_for(h100, 16, 1, 8)
+    assert net.kind == "network" and link_for(h100, 8, 1, 8).kind == "nvlink"
+    assert link_for(h100, 8, 2, 8).kind == "network"  # 8 ranks 2 apart span two nodes
+    assert collective_time(16, 1e9, net) == pytest.approx(15 * net.alpha_s + 1e9 / net.bytes_per_s)
+    fast, slow = (
+        cluster_plan(_cluster(gpus=16, gpu=gpu("h100", {"network_bytes_per_s": bw})))
+        for bw in (1e15, 1e6)
+    )
+    for p in (fast, slow):
+        assert p.step_time_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.optimizer_s)
+    assert fast.compute_s == slow.compute_s
+    # at 1 MB/s the wire dwarfs the compute: nearly every byte is exposed, and no more
+    link = link_for(slow.spec.gpu, 16, 1, 8)
+    wire = sum(slow.comm["dp_shard"]["collectives"].values()) / link.bytes_per_s
+    assert (
+        0.9 * wire < slow.exposed_comm_s <= wire + 16 * 15 * link.alpha_s * len(slow.memory.units)
+    )
+    assert fast.exposed_comm_s < 0.01 * slow.exposed_comm_s

@@ -188,10 +188,12 @@ def _gib(n: float) -> str:
 
 
 def render(p: ClusterPlan, reserve: bool) -> str:
+    from fullshard.memory.cluster import model_params
+
     s = p.spec
     flags = [f"AC {s.ac}", "compile" if s.compile else "eager"] + (["float8"] if s.float8 else [])
     lines = [
-        f"fullshard plan: {p.memory.n_params * s.tp / 1e9:.2f} B params/stage-local x TP, "
+        f"fullshard plan: {model_params(s, p.memory) / 1e9:.2f} B params, "
         f"{s.gpus} x {s.gpu.name} ({s.node} per node), mesh {s.mesh}, micro-batch "
         f"{s.batch} x {s.seq}, {s.microbatches} micro-batch(es) per step, {', '.join(flags)}",
         "",
