@@ -186,3 +186,35 @@ def test_two_node_checkpoint_resumes_under_another_layout(
     starts = _starts(run_dir)
     assert [s["degrees"] for s in starts] == [[2, 2, 1], [2, 2, 1], degrees]
     _assert_parity(run_dir, two_nodes[0], range(EVERY + 1, STEPS + 1))
+
+
+def test_attempt_is_the_same_on_nodes_restarted_for_different_reasons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After one node's rank fails, its agent restarts its ranks (``TORCHELASTIC_RESTART_COUNT``
+    1); the other node's agent may instead restart for the membership change, which torchrun
+    does not count (still 0). Both must join the same attempt's keys of the shared store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fullshard.train import loop
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fs-attempts")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+
+    def attempts(restart_counts: list[int]) -> list[int]:
+        out = []
+        for rank, count in enumerate(restart_counts):
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+            out.append(loop._rendezvous_store(rank, 4, 0)[1])
+        return out
+
+    assert attempts([0, 0, 0, 0]) == [0, 0, 0, 0]
+    assert attempts([1, 1, 0, 0]) == [1, 1, 1, 1]  # node 1 restarted for the membership change
+    assert attempts([1, 1, 1, 1]) == [2, 2, 2, 2]
+    del host
