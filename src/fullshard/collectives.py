@@ -53,6 +53,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .backend import BackendPlan
+from .streamcheck import active_checker
 
 __all__ = [
     "CollectiveError",
@@ -153,7 +154,7 @@ class CollectiveError(RuntimeError):
 class Handle:
     """An in-flight collective; :meth:`wait` blocks until it completes (idempotent)."""
 
-    __slots__ = ("_context", "_then", "_work")
+    __slots__ = ("_context", "_done", "_then", "_work")
 
     def __init__(
         self,
@@ -164,6 +165,10 @@ class Handle:
         self._work = work  # a Work, a list of them (p2p exchange), or None
         self._then = then  # runs once the collective has finished (e.g. a copy-out)
         self._context = context  # what to name in errors: kind, unit, group size
+        # the issuing stream's work up to this collective, while a stream checker records
+        # ([Note: checking stream order on the CPU] in fullshard.streamcheck)
+        checker = active_checker() if work is not None else None
+        self._done = checker.snapshot() if checker is not None else None
 
     def wait(self) -> None:
         """Block until the collective has finished; record the time spent waiting."""
@@ -179,9 +184,17 @@ class Handle:
         for stats in _active:
             stats.wait_seconds += waited
         self._work = None
+        self._order_after()
         if self._then is not None:
             self._then()
             self._then = None
+
+    def _order_after(self) -> None:
+        """Rule 2: the current stream waits for the collective (NCCL's ``work.wait()`` does
+        it on CUDA; on the CPU the stream checker is told)."""
+        checker = active_checker()
+        if checker is not None and self._done is not None:
+            checker.wait(checker.current, self._done)
 
 
 def _record(

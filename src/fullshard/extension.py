@@ -53,6 +53,7 @@ from torch import nn
 
 from . import collectives as C
 from .overrides import allocate
+from .streamcheck import freed
 
 if TYPE_CHECKING:
     from .group import ParamGroup
@@ -190,6 +191,7 @@ class ExtensionGather:
         """Free the unsharded inner tensors and the gather outputs (storage resized to 0;
         the objects stay valid for the next gather)."""
         for t in self._held():
+            freed(t.untyped_storage(), "an extension's gathered tensor")
             t.untyped_storage().resize_(0)
 
     def _held(self) -> list[torch.Tensor]:

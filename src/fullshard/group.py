@@ -30,6 +30,7 @@ from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
 from .pool import BufferContent, HostBufferPool
 from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
 from .state import ShardedState, transition
+from .streamcheck import freed
 from .streams import CommStreams
 from .transport import Transport, select_transport
 
@@ -411,6 +412,7 @@ class ParamGroup:
             elif lend and storage.nbytes() == self.unsharded_nbytes():
                 self.pool.start_slab(storage, storage.nbytes())
             else:
+                freed(storage, f"unit {self.name!r}'s unsharded buffer")
                 storage.resize_(0)
         for sp in self.layout:
             sp.free_unsharded()

@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .mesh import MeshInfo
+from .streamcheck import freed
 
 __all__ = ["ShardedParam"]
 
@@ -295,6 +296,7 @@ class ShardedParam:
     def free_unsharded(self) -> None:
         """Release the separate unsharded data (``Shard(d > 0)``); views need nothing."""
         if self.unsharded_data is not None:
+            freed(self.unsharded_data.untyped_storage(), f"{self.fqn!r}'s unsharded data")
             self.unsharded_data.untyped_storage().resize_(0)
 
     @property

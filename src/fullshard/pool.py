@@ -90,6 +90,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import BackendPlan
+from .streamcheck import freed
 
 __all__ = ["BufferContent", "HostBufferPool"]
 
@@ -127,6 +128,7 @@ class HostBufferPool:
     def put(self, storage: torch.UntypedStorage, content: object = None) -> None:
         """Free ``storage`` (resize it to 0 bytes), keeping its memory for a later ``take``;
         ``content``: what the memory holds, for :meth:`reclaim` (see the Notes above)."""
+        freed(storage, "a buffer handed to the pool")
         nbytes = storage.nbytes()
         if not self.enabled or nbytes == 0:
             storage.resize_(0)

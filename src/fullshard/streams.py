@@ -16,7 +16,8 @@ so it sees everything queued before it. Rules that keep peak memory deterministi
   optimizer can read the host gradients.
 
 On the CPU there are no streams: every method runs its body directly, so the same code path
-runs in CI on every commit.
+runs in CI on every commit; under ``fullshard.streamcheck.check_streams`` the same calls run on
+logical streams and the rules above are checked ([Note: checking stream order on the CPU]).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from .backend import BackendPlan
+from .streamcheck import active_checker
 
 __all__ = ["CommStreams"]
 
@@ -46,14 +48,31 @@ class CommStreams:
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[None]:
-        """Run the block on side stream ``name`` after it waits for the current stream."""
-        if not self.enabled:
+        """Run the block on side stream ``name`` after it waits for the current stream (on
+        the CPU: on a logical stream while a stream checker records, see
+        [Note: checking stream order on the CPU] in fullshard.streamcheck)."""
+        if self.enabled:
+            stream = self._streams[name]
+            self._side_waits_current(stream)
+            with torch.cuda.stream(stream):
+                yield
+            return
+        checker = active_checker()
+        if checker is None:
             yield
             return
-        stream = self._streams[name]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        self._side_waits_current(name)
+        with checker.on(name):
             yield
+
+    def _side_waits_current(self, stream: Any) -> None:
+        """Rule 1: the side stream sees everything queued on the current one before it."""
+        if self.enabled:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            return
+        checker = active_checker()
+        if checker is not None:
+            checker.wait(stream, checker.snapshot())
 
     def to_host(self, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         """Copy ``tensor`` to host memory on the offload stream (waited on by

@@ -1,0 +1,78 @@
+"""Stream order, checked on the CPU ([Note: checking stream order on the CPU] in
+fullshard.streamcheck): the whole engine parity matrix runs under the checker with no
+unordered access, and removing any one of the engine's waits makes the checker fail."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fullshard import collectives as C
+from fullshard.streamcheck import COMPUTE, check_streams
+from fullshard.streams import CommStreams
+from fullshard.testing import run_distributed
+from parity import make_net, make_optimizer, shard_net, sharded_step
+from test_engine import _run_cases
+
+# the engine's waits (rule 1: a side stream waits for the compute stream; rule 2: the compute
+# stream waits for a collective), each removable on its own
+MUTATIONS = {
+    "side stream waits for compute": (CommStreams, "_side_waits_current"),
+    "compute waits for the collective": (C.Handle, "_order_after"),
+}
+
+
+def _matrix_checked() -> dict[str, Any]:
+    with check_streams() as checker:
+        results = _run_cases()
+    return {
+        "cases": sorted(results),
+        "violations": checker.violations[:5],
+        "count": len(checker.violations),
+        "accesses": checker.accesses,
+        "streams": sorted(checker.clocks),
+    }
+
+
+def _mutated(name: str | None) -> dict[str, Any]:
+    """Two training steps of the parity model with one wait removed (``None``: none)."""
+    saved = None
+    if name is not None:
+        owner, attr = MUTATIONS[name]
+        saved = getattr(owner, attr)
+        setattr(owner, attr, lambda *a, **k: None)
+    try:
+        out: dict[str, Any] = {}
+        for transport in ("packed", "p2p"):
+            from fullshard import CommPolicy
+
+            model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport))
+            opt = make_optimizer(model)
+            with check_streams() as checker:
+                for step in range(2):
+                    sharded_step(model, opt, step)
+            out[transport] = checker.violations[:3]
+        return out
+    finally:
+        if saved is not None:
+            owner, attr = MUTATIONS[name]  # type: ignore[index]
+            setattr(owner, attr, saved)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_matrix_runs_in_stream_order(world: int) -> None:
+    for r in run_distributed(_matrix_checked, world, timeout=900):
+        assert r["cases"], "the matrix ran nothing"
+        assert r["accesses"] > 1000, r["accesses"]
+        assert {COMPUTE, "gather", "reduce"} <= set(r["streams"]), r["streams"]
+        assert r["count"] == 0, f"{r['count']} unordered accesses, e.g. {r['violations']}"
+
+
+def test_every_wait_is_needed() -> None:
+    names: list[str | None] = [None, *MUTATIONS]
+    results = {name: run_distributed(_mutated, 2, name, timeout=300)[0] for name in names}
+    assert results[None] == {"packed": [], "p2p": []}, results[None]
+    for name in MUTATIONS:
+        for transport, violations in results[name].items():
+            assert violations, f"removing '{name}' went unnoticed ({transport} transport)"
