@@ -90,6 +90,7 @@ def test_traced_block_flops_match_the_closed_form() -> None:
     mm = 2 * b * s * 12 * d * d
     attn = 4 * b * s * s * d
     assert fwd.mm_flops == mm and fwd.attn_flops == attn
+    assert fwd.causal_attn_flops == attn  # is_causal: the time model skips the masked half
     assert bwd.mm_flops == 2 * mm and bwd.attn_flops == int(2.5 * attn)
     # full AC: backward recomputes the block's forward up to the last tensor backward needs
     # (torch's non-reentrant checkpoint stops early: the MLP's output matmul, 4 d^2 per
@@ -281,3 +282,11 @@ def test_exposed_communication_follows_the_overlap_model() -> None:
         0.9 * wire < slow.exposed_comm_s <= wire + 16 * 15 * link.alpha_s * len(slow.memory.units)
     )
     assert fast.exposed_comm_s < 0.01 * slow.exposed_comm_s
+
+
+def test_hugging_face_models_trace_their_eager_causal_attention() -> None:
+    """transformers takes fake tensors for graph tracing and would build an explicit causal
+    mask; a real unpadded training batch calls SDPA with is_causal=True, as the trace must."""
+    p = plan(PlanSpec(hf_config=_llama(), world_size=2, batch=2, seq=32))
+    attn = sum(x.attn_flops for x in p.segments)
+    assert attn > 0 and sum(x.causal_attn_flops for x in p.segments) == attn

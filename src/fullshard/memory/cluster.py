@@ -50,6 +50,7 @@ from fullshard.memory.ac import ac_mode
 from fullshard.memory.hardware import GPU
 from fullshard.memory.planner import Plan, PlanSpec, Segment, plan
 from fullshard.memory.timing import (
+    CAUSAL_SKIP,
     HBM_EFFICIENCY,
     OPTIMIZER_BYTES_PER_PARAM,
     SegmentCost,
@@ -333,11 +334,13 @@ def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
     def seconds(s: Segment) -> float:
         c = SegmentCost(
             mm_flops=s.mm_flops,
-            attn_flops=s.attn_flops,
+            attn_flops=s.attn_flops - CAUSAL_SKIP * s.causal_attn_flops,
             mem_bytes=s.mem_bytes - hid * s.hidden_mem_bytes,
             mm_operand_bytes=s.mm_operand_bytes,
         )
-        return compute_time(c, g, compile=spec.compile, float8=spec.float8)
+        return compute_time(
+            c, g, compile=spec.compile, float8=spec.float8, fp32=spec.param_dtype == torch.float32
+        )
 
     vol = volumes(spec, numels)
     s_, r_, k = spec.dp_shard, spec.dp_replicate, spec.hpz

@@ -16,6 +16,8 @@ shape. Three counters, each a running total the planner reads at every segment b
   tensors of the residual stream's shape (``classify`` says which), which sequence
   parallelism divides by the TP degree.
 - ``mm_operand_bytes``: the matmuls' tensor inputs, what float8 training casts.
+- ``causal_attn_flops``: the part of ``attn_flops`` computed with ``is_causal``: a causal
+  kernel skips the masked half of the tiles, which the time model accounts for.
 """
 
 from __future__ import annotations
@@ -87,16 +89,18 @@ class OpCost(TorchDispatchMode):
         self.mem_bytes = 0
         self.hidden_mem_bytes = 0
         self.mm_operand_bytes = 0  # the matmuls' tensor inputs (what float8 casts)
+        self.causal_attn_flops = 0  # the part of attn_flops under a causal mask
         self.classify = classify
         self.on_matmul_input = on_matmul_input  # called with each residual-stream mm input
 
-    def totals(self) -> tuple[int, int, int, int, int]:
+    def totals(self) -> tuple[int, int, int, int, int, int]:
         return (
             self.mm_flops,
             self.attn_flops,
             self.mem_bytes,
             self.hidden_mem_bytes,
             self.mm_operand_bytes,
+            self.causal_attn_flops,
         )
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -110,10 +114,14 @@ class OpCost(TorchDispatchMode):
             if self.on_matmul_input is not None and self.classify is not None and self.classify(x):
                 self.on_matmul_input(x)
         elif packet in _ATTN_FWD:
-            self.attn_flops += attention_flops(args[0].shape, args[1].shape, args[2].shape)
+            f = attention_flops(args[0].shape, args[1].shape, args[2].shape)
+            self.attn_flops += f
+            self.causal_attn_flops += f if _arg(func, args, kwargs, "is_causal") else 0
         elif packet in _ATTN_BWD:
             q, k, v = args[1:4]
-            self.attn_flops += int(2.5 * attention_flops(q.shape, k.shape, v.shape))
+            f = int(2.5 * attention_flops(q.shape, k.shape, v.shape))
+            self.attn_flops += f
+            self.causal_attn_flops += f if _arg(func, args, kwargs, "is_causal") else 0
         elif not _is_view(func) and (packet not in _FREE or _casts(packet, args, out)):
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             if not outs:  # queries (prim.device, sizes): no kernel
@@ -124,6 +132,16 @@ class OpCost(TorchDispatchMode):
             if self.classify is not None:
                 self.hidden_mem_bytes += sum(_nbytes(t) for t in moved if self.classify(t))
         return out
+
+
+def _arg(func: Any, args: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """The value of the argument ``name`` of this call (``None`` when the op has none)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            return args[i] if i < len(args) else a.default_value
+    return None
 
 
 def _is_view(func: Any) -> bool:

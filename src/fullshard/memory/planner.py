@@ -163,6 +163,7 @@ class Segment:
     mem_bytes: int = 0
     hidden_mem_bytes: int = 0
     mm_operand_bytes: int = 0
+    causal_attn_flops: int = 0
 
 
 @dataclass
@@ -268,7 +269,7 @@ def trace_activations(spec: PlanSpec) -> tuple[list[Unit], list[Segment], int]:
         if n is not None and n > max(spec.max_traced_blocks, TRACED_BLOCKS):
             model_cfg, hf_cfg = with_blocks(spec.model, hf_cfg, TRACED_BLOCKS)
             traced, n_blocks = dataclasses.replace(spec, model=model_cfg, hf_config=hf_cfg), n
-    with FakeTensorMode(), _default_dtype(spec.param_dtype):
+    with FakeTensorMode(), _default_dtype(spec.param_dtype), _hf_eager_masks(traced.hf_config):
         model = build_model(traced)
         named = find_units(model, spec.units)
         units = _unit_shapes(named)
@@ -282,6 +283,45 @@ def trace_activations(spec: PlanSpec) -> tuple[list[Unit], list[Segment], int]:
         units, segments = expand(units, segments, n_blocks)
     n_params = sum(u.numel for u in units)
     return units, segments, n_params
+
+
+@contextlib.contextmanager
+def _hf_eager_masks(hf_config: Any) -> Iterator[None]:
+    """Let Hugging Face models take the path a real eager run takes. ``transformers`` treats a
+    fake tensor as graph tracing and then builds an explicit [b, 1, s, s] causal mask instead
+    of calling SDPA with ``is_causal=True`` (its eager choice for unpadded training batches),
+    which would make the traced step cost what a GPU run does not (a masked, non-flash
+    kernel, the mask's bytes, no causal skip in the time model)."""
+    if hf_config is None:
+        yield
+        return
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:  # an older transformers: nothing to adjust
+        yield
+        return
+    orig = getattr(mu, "_ignore_causal_mask_sdpa", None)
+    if orig is None:
+        yield
+        return
+
+    def eager(padding_mask: Any, q_length: int, kv_length: int, *args: Any, **kwargs: Any) -> bool:
+        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+        if padding_mask is None and (local is None or kv_length < local):
+            if q_length == 1 or kv_length == q_length:  # what the eager check decides
+                return True
+        return bool(orig(padding_mask, q_length, kv_length, *args, **kwargs))
+
+    packed = getattr(mu, "find_packed_sequence_indices", None)
+    mu._ignore_causal_mask_sdpa = eager
+    if packed is not None:  # the planner's batches are whole sequences, never packed
+        mu.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        mu._ignore_causal_mask_sdpa = orig
+        if packed is not None:
+            mu.find_packed_sequence_indices = packed
 
 
 @contextlib.contextmanager
@@ -360,6 +400,7 @@ def _run_fake(
             seg.mm_flops, seg.attn_flops = seg.mm_flops + d[0], seg.attn_flops + d[1]
             seg.mem_bytes, seg.hidden_mem_bytes = seg.mem_bytes + d[2], seg.hidden_mem_bytes + d[3]
             seg.mm_operand_bytes += d[4]
+            seg.causal_attn_flops += d[5]
         mark[0] = now
 
     def begin(label: str, unit: int, phase: str) -> None:

@@ -8,9 +8,10 @@ constant is named here with where it comes from.
 Compute of a segment (one unit's forward, or its backward with any recompute)::
 
     t = mm_flops / (peak_mm * MM_EFFICIENCY)              peak_mm: bf16, or fp8 under --float8
-      + attn_flops / (peak_bf16 * ATTN_EFFICIENCY)
+      + attn_flops / (peak_bf16 * ATTN_EFFICIENCY)       causal: (1 - CAUSAL_SKIP) of them
       + bytes / (hbm_bandwidth * HBM_EFFICIENCY)          every other op's reads + writes
 
+fp32 compute runs its matmuls on TF32 tensor cores at ``TF32_FRACTION`` of the bf16 peak.
 ``bytes`` is what unfused kernels move (eager); ``torch.compile`` fuses elementwise chains,
 so it becomes ``COMPILE_BYTES_FACTOR * bytes``. Float8 adds the casts of each matmul's
 operands (``FLOAT8_CAST_BYTES`` per operand byte, also fused under compile).
@@ -44,6 +45,7 @@ __all__ = [
     "ALPHA_NETWORK_S",
     "ALPHA_NVLINK_S",
     "ATTN_EFFICIENCY",
+    "CAUSAL_SKIP",
     "COMPILE_BYTES_FACTOR",
     "FLOAT8_CAST_BYTES",
     "HBM_EFFICIENCY",
@@ -51,6 +53,7 @@ __all__ = [
     "NETWORK_BUS_EFFICIENCY",
     "NVLINK_BUS_EFFICIENCY",
     "OPTIMIZER_BYTES_PER_PARAM",
+    "TF32_FRACTION",
     "Link",
     "SegmentCost",
     "collective_time",
@@ -60,7 +63,7 @@ __all__ = [
 #: Fraction of the peak tensor-core rate that large bf16 GEMMs of a training step reach.
 #: Fitted on one row only: torchtitan's Llama 3.1 8B on 8 H100 (FSDP, eager, bf16;
 #: BENCHMARKS.md "Planner vs published results"); every other row is a prediction.
-MM_EFFICIENCY = 0.58
+MM_EFFICIENCY = 0.48
 #: Flash attention reaches a lower fraction of peak than GEMMs (FlashAttention-2 paper, Dao
 #: 2023, Fig. 5-6: 50-73% of A100 peak forward, lower backward); stated, not fitted.
 ATTN_EFFICIENCY = 0.50
@@ -74,6 +77,13 @@ COMPILE_BYTES_FACTOR = 0.4
 #: Float8 (dynamic scaling): each matmul operand is read for its amax, read again to cast and
 #: written in fp8, 2.5 bytes moved per bf16 byte; stated, not fitted.
 FLOAT8_CAST_BYTES = 2.5
+#: A causal flash-attention kernel skips the tiles above the diagonal: half the counted
+#: FLOPs (s_q = s_k) are not computed (FlashAttention-2 paper, Dao 2023, counts causal
+#: throughput on the half that is); stated.
+CAUSAL_SKIP = 0.5
+#: TF32 dense peak / BF16 dense peak on A100 (156 / 312 TFLOPS) and H100 SXM (495 / 989):
+#: the datasheets of fullshard.memory.hardware; stated.
+TF32_FRACTION = 0.5
 #: nccl-tests bus bandwidth over NVLink reaches ~80% of the link's peak for large messages
 #: (DGX H100 all-gather ~360 of 450 GB/s); stated.
 NVLINK_BUS_EFFICIENCY = 0.80
@@ -107,10 +117,15 @@ class SegmentCost:
     mm_operand_bytes: float = 0.0
 
 
-def compute_time(c: SegmentCost, g: GPU, *, compile: bool, float8: bool) -> float:
-    """Seconds of one segment's compute on ``g`` ([Note: the time model])."""
+def compute_time(
+    c: SegmentCost, g: GPU, *, compile: bool, float8: bool, fp32: bool = False
+) -> float:
+    """Seconds of one segment's compute on ``g`` ([Note: the time model]); ``c.attn_flops``
+    are those a kernel computes (the causal skip already taken off)."""
     fuse = COMPILE_BYTES_FACTOR if compile else 1.0
     peak_mm = g.fp8_flops if float8 and g.fp8_flops else g.bf16_flops
+    if fp32 and not float8:
+        peak_mm = g.bf16_flops * TF32_FRACTION
     moved = c.mem_bytes + (FLOAT8_CAST_BYTES * c.mm_operand_bytes if float8 else 0.0)
     return (
         c.mm_flops / (peak_mm * MM_EFFICIENCY)
