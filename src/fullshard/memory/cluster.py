@@ -11,7 +11,13 @@ over TP, so slightly more), and keeps per GPU (``b_p``: param dtype bytes, 2 for
     gathered units                           b_p * (units in flight) of Psi_l / L each
     hpZ (reshard_after_forward=k)            + b_p Psi_l / k      (the copy kept for backward)
     activations                              traced on the TP-local model; with sequence
-                                             parallelism the residual stream's are / T
+                                             parallelism the residual stream's are / T,
+                                             except the ones a matmul reads (the
+                                             all-gathered inputs of column-parallel linears)
+
+The TP-local model divides the attention heads, KV heads, MLP width and vocabulary by ``T``
+(embedding and head sharded over the vocabulary, the loss computed on sharded logits:
+torchtitan's loss parallel); norms stay whole.
 
 The collective volumes per step, bytes each rank sends (ring: ``(n-1)/n`` of the buffer)::
 

@@ -32,7 +32,14 @@ are on the wire. What does not fit under the compute it overlaps is exposed::
 
 Tensor-parallel collectives are on the compute's critical path (no async TP): all exposed.
 The optimizer step reads and writes ``OPTIMIZER_BYTES_PER_PARAM`` per local fp32 shard
-element at HBM speed.
+element at HBM speed. The step::
+
+    step = m * t_mb + (P - 1) * t_mb + exposed + optimizer
+    t_mb = compute + TP collectives + PP send/recv          (one micro-batch of one stage)
+
+``m`` micro-batches per step (1 without PP), ``(P - 1) * t_mb`` the 1F1B bubble. tokens/s per
+GPU = ``local_batch * seq / (T * P) / step``; MFU = that x ``6 N + 12 L H Q s`` (N without
+the input embedding, torchtitan's) / the bf16 peak.
 """
 
 from __future__ import annotations
