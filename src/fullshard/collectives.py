@@ -73,6 +73,8 @@ ProcessGroup = dist.ProcessGroup
 def watched_by_torch_tools() -> bool:
     """Whether torch's ``CommDebugMode`` is active on this thread: then the engine runs
     FSDP2's collectives (see [Note: collectives under torch's tools])."""
+    if not torch._C._len_torch_dispatch_stack():  # no mode at all: the common case
+        return False
     return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 

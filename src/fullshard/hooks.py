@@ -16,7 +16,6 @@ One training step as the hooks see it (docs/design.md has the whole picture):
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -47,16 +46,6 @@ def _cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
     return tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree
     )
-
-
-def _outside_functorch() -> contextlib.AbstractContextManager[Any]:
-    """Run the engine's own work (lazy init, gathers, resharding) outside any ``torch.func``
-    transform (``jvp``, ``vmap``): its buffers and collectives are plain tensors, which the
-    transform would otherwise wrap (a wrapper has no storage to free). The module's forward
-    still runs inside the transform, with the gathered parameters as its constants."""
-    if torch._C._are_functorch_transforms_active():
-        return torch._C._DisableFuncTorch()
-    return contextlib.nullcontext()
 
 
 STATE_ATTR = "_fullshard_state"  # where a unit module keeps its FSDPState (in __dict__)
@@ -144,7 +133,14 @@ class FSDPState:
         """Forward pre-hook: lazy init, unshard, prefetch, cast inputs."""
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
-        with _outside_functorch():
+        # Under a torch.func transform (jvp, vmap) the engine's own work (lazy init, gathers,
+        # resharding) runs outside it: its buffers stay plain tensors, which the transform
+        # would wrap (a wrapper has no storage to free); the forward still runs inside, with
+        # the gathered parameters as constants (as FSDP2).
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                self._unshard_for_forward()
+        else:
             self._unshard_for_forward()
         return args, kwargs
 
@@ -176,7 +172,10 @@ class FSDPState:
         if _in_backward():  # recomputation: the same outputs as the forward's, cast alike
             return _cast_floats(output, self.mp_policy.output_dtype)
         emit("forward_end", self.name)
-        with _outside_functorch():
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                self._reshard_after_forward()
+        else:
             self._reshard_after_forward()
         if torch.is_grad_enabled() and not self.group.transport.local:
             tensors, _ = tree_flatten(output)
