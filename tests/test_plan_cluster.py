@@ -196,6 +196,11 @@ def test_cluster_cli_json_and_budget_ranking(capsys: pytest.CaptureFixture[str])
     assert any("TP 2" in r["config"] for r in ranking) and any(
         "HSDP" in r["config"] for r in ranking
     )
+    # without --ac, the AC mode is ranked too
+    bare = ["--hf-config", cfg, "--gpus", "8", "--batch", "2", "--seq", "32"]
+    assert main([*bare, "--json", "--budget", "80GiB"]) == 0
+    ranking = json.loads(capsys.readouterr().out)["ranking"]
+    assert {r["config"].rsplit("AC ", 1)[1] for r in ranking} == {"none", "selective", "full"}
 
 
 def test_405b_at_512_gpus_plans_in_seconds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -140,9 +141,12 @@ def cluster_spec(args: argparse.Namespace, base: PlanSpec) -> ClusterSpec:
     )
 
 
-def rank_configs(spec: ClusterSpec, budget: int) -> list[tuple[str, ClusterPlan | None, str]]:
-    """FSDP / HSDP / hpZ at each TP degree of a node, ranked by predicted tokens/s among those
-    whose peak fits ``budget``, then the rest; ``(name, plan, why not)``."""
+def rank_configs(
+    spec: ClusterSpec, budget: int, acs: tuple[str, ...] | None = None
+) -> list[tuple[str, ClusterPlan | None, str]]:
+    """FSDP / HSDP / hpZ at each TP degree of a node (x each of ``acs``, default the spec's
+    AC), ranked by predicted tokens/s among those whose peak fits ``budget``, then the rest;
+    ``(name, plan, why not)``."""
     from fullshard.memory.cluster import cluster_plan
 
     node = spec.node
@@ -167,11 +171,11 @@ def rank_configs(spec: ClusterSpec, budget: int) -> list[tuple[str, ClusterPlan 
                     {"dp_replicate": 1, "dp_shard": -1, "hpz": shard_in_node},
                 )
             )
-        for mesh_name, dims in meshes:
+        for (mesh_name, dims), ac in itertools.product(meshes, acs or (spec.ac,)):
             name = f"{mesh_name}" + (f" x TP {tp}" if tp > 1 else "")
             name += f" x PP {spec.pp}" if spec.pp > 1 else ""
             try:
-                s = dataclasses.replace(spec, tp=tp, **dims)
+                s = dataclasses.replace(spec, tp=tp, ac=ac, **dims)
                 p = cluster_plan(s)
             except ValueError as e:
                 out.append((name, None, str(e)))
@@ -230,7 +234,8 @@ def run(args: argparse.Namespace, base: PlanSpec, budget: int | None) -> int:
     text = [render(p, args.reserve)]
     status = 0
     if budget is not None:
-        ranked = rank_configs(spec, budget)
+        # without --ac, the AC mode is one of the choices too
+        ranked = rank_configs(spec, budget, None if args.ac else ("none", "selective", "full"))
         text.append(f"\nconfigurations under {_gib(budget)} per GPU, by predicted tokens/s:")
         rows = []
         for name, q, why in ranked:
