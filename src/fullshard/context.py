@@ -21,7 +21,7 @@ unit of 4.5 KiB computes in tens of microseconds). With one gather ahead and one
 flight, a model of many small units waits on nearly every one. So on the CPU the implicit
 prefetch runs further ahead, and reductions stay in flight longer, as long as the units beyond
 the next one (the prefetch) or beyond ``max_pending`` (the reductions) add up to at most
-``SMALL_UNIT_WINDOW_BYTES`` of unsharded memory. A unit larger than that changes nothing, so
+``backend.SMALL_UNIT_WINDOW_BYTES`` of unsharded memory. A unit larger than that changes nothing, so
 models with units of a megabyte or more run exactly as before, and the window adds at most
 that many bytes to each direction's peak. ``fullshard bench --config overhead`` (64 units of
 4.5 KiB, 2 gloo ranks) steps 2.7x faster with it (BENCHMARKS.md, 2026-12-02 at 34fc753). On CUDA,
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .backend import SMALL_UNIT_WINDOW_BYTES, BackendPlan
+from .backend import BackendPlan
 from .events import emit
 from .pool import HostBufferPool
 from .reduce import PendingReduce, lendable_output_nbytes
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from .group import ParamGroup
     from .hooks import FSDPState
 
-__all__ = ["SMALL_UNIT_WINDOW_BYTES", "StepContext"]
+__all__ = ["StepContext"]
 
 
 class StepContext:

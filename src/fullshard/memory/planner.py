@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fullshard.context import SMALL_UNIT_WINDOW_BYTES
+from fullshard.backend import BackendPlan
 from fullshard.memory.ac import ac_mode, checkpointed
 from fullshard.memory.cost import OpCost
 from fullshard.memory.engines import ENGINES, EngineModel
@@ -498,9 +498,11 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
     shard = sum(u.shard_numel for u in units) * f32
     n_states = _OPT_STATES[spec.optimizer]
     unit_bytes = [u.padded_numel * pbytes for u in units]
-    # [Note: a window for small units] in fullshard.context: fullshard on the CPU gathers and
-    # reduces small units further ahead
-    window = SMALL_UNIT_WINDOW_BYTES if eng.transport and eng.transport[1] == "cpu" else 0
+    # [Note: a window for small units] in fullshard.context: fullshard's backend plan on the
+    # CPU gathers and reduces small units further ahead ([Note: the backend plan])
+    window = (
+        BackendPlan.choose(eng.transport[1], eng.transport[0]).window_bytes if eng.transport else 0
+    )
     # The engine aliases a unit's unsharded parameters to its shards when the two would be the
     # same tensors: one rank, compute in the masters' dtype, no offload, no replicas.
     aliasable = spec.param_dtype == torch.float32 and not spec.offload and spec.world_size == 1
