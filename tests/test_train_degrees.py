@@ -110,6 +110,8 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
           "2 x 3 = 6", "use --global-batch 12"]),
         (["--dp-replicate", "2", "--dp-shard", "2", "--nproc", "2"],
          ["--dp-replicate 2 x --dp-shard 2 x --tp 1 = 4, but the job has 2 ranks"]),
+        (["--tp", "2", "--optimizer", "muon"],
+         ["--optimizer muon with --tp 2", "use --optimizer adamw, or --tp 1"]),
         (["--dp-shard", "4", "--reshard-after-forward", "3"],
          ["--reshard-after-forward 3 must divide --dp-shard 4", "1, 2, 4"]),
         (["--hf-config", json.dumps(LLAMA), "--tp", "4", "--nproc", "4", "--global-batch", "4",

@@ -358,6 +358,12 @@ def validate(
 
 def _check_tp(cfg: TrainConfig, degrees: Degrees) -> None:
     """``--tp`` has a plan for the model and divides the heads, KV heads and MLP width."""
+    if cfg.optimizer == "muon":  # WholeTensor refuses TP placements (one Shard dim only)
+        raise ConfigError(
+            f"--optimizer muon with --tp {degrees.tp}: Muon's whole-matrix step does not take "
+            "tensor-parallel parameters yet; use --optimizer adamw, or --tp 1 (HSDP with "
+            "--dp-replicate works with Muon)"
+        )
     from fullshard.train.models import build_model, units_of
     from fullshard.train.tp import LLAMA_PLAN, supports_tp, tp_sizes
 

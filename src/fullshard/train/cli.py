@@ -51,6 +51,7 @@ _METAVARS = {
     "hf_model": "DIR",
     "tokenizer": "DIR",
     "resume": "{auto,never,PATH}",
+    "reshard_after_forward": "{auto,true,false,K}",
     "sample_prompt": "TEXT",
 }
 
