@@ -30,7 +30,7 @@ from .group import ParamGroup
 from .labels import labelled
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
-from .state import ShardedState, TrainingState
+from .state import ShardedState, TrainingState, training_transition
 from .streams import CommStreams
 
 __all__ = ["STATE_ATTR", "FSDPState", "states_under"]
@@ -77,7 +77,7 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_policy: bool | int = True  # resolved at lazy init
         self.mp_policy = mp_policy
-        self.training_state = TrainingState.IDLE
+        self._training_state = TrainingState.IDLE
         self.ctx: StepContext | None = None  # set by lazy init
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[FSDPState] | None = None
@@ -96,6 +96,15 @@ class FSDPState:
     @property
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
+
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the unit is in the step ([Note: training state] in fullshard.state)."""
+        return self._training_state
+
+    @training_state.setter
+    def training_state(self, new: TrainingState) -> None:
+        self._training_state = training_transition(self.name, self._training_state, new)
 
     def outermost(self) -> FSDPState:
         """The outermost unit around this one: the root its forward will have. Lazy init

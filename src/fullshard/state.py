@@ -13,13 +13,27 @@
 
 Every change goes through :func:`transition`, which refuses any other move with an error that
 names the unit: a hook firing in an unexpected order fails loudly instead of corrupting memory.
+
+[Note: training state]
+``TrainingState`` is where a unit is in the step, guarded the same way
+(:func:`training_transition`):
+
+    IDLE --pre-forward--> FORWARD --post-forward--> IDLE   (FORWARD again: a unit called twice)
+    IDLE | FORWARD --pre-backward--> PRE_BACKWARD --post-backward--> POST_BACKWARD
+    IDLE | FORWARD --post-backward--> POST_BACKWARD   (a unit with no pre-backward hook:
+                                                       one rank, or outputs needing no grad)
+    POST_BACKWARD --pre-forward--> FORWARD   (a forward before the end-of-backward callback)
+    any --end of backward / reset_iter_state / finalize_backward--> IDLE
+
+A unit's pre-backward or forward during its own backward (outside activation-checkpoint
+recomputation, which changes no state) is refused.
 """
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["ShardedState", "TrainingState", "transition"]
+__all__ = ["ShardedState", "TrainingState", "training_transition", "transition"]
 
 
 class ShardedState(enum.Enum):
@@ -60,5 +74,33 @@ def transition(unit: str, current: ShardedState, new: ShardedState) -> ShardedSt
         raise RuntimeError(
             f"unit {unit!r}: illegal state change {current.value} -> {new.value}; this is a "
             f"fullshard bug or a hook called out of order (please report it with the model)"
+        )
+    return new
+
+
+_T = TrainingState
+_TRAINING_ALLOWED: frozenset[tuple[TrainingState, TrainingState]] = frozenset(
+    {
+        (_T.IDLE, _T.FORWARD),
+        (_T.FORWARD, _T.FORWARD),
+        (_T.POST_BACKWARD, _T.FORWARD),
+        (_T.IDLE, _T.PRE_BACKWARD),
+        (_T.FORWARD, _T.PRE_BACKWARD),
+        (_T.PRE_BACKWARD, _T.POST_BACKWARD),
+        (_T.IDLE, _T.POST_BACKWARD),
+        (_T.FORWARD, _T.POST_BACKWARD),
+        *((t, _T.IDLE) for t in TrainingState),
+    }
+)
+
+
+def training_transition(unit: str, current: TrainingState, new: TrainingState) -> TrainingState:
+    """Return ``new`` if ``current -> new`` is a legal move ([Note: training state]), else raise
+    naming ``unit``."""
+    if (current, new) not in _TRAINING_ALLOWED:
+        raise RuntimeError(
+            f"unit {unit!r}: illegal training-state change {current.value} -> {new.value}; "
+            f"this is a fullshard bug or a hook called out of order (please report it with "
+            f"the model)"
         )
     return new
