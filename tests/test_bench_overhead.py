@@ -93,3 +93,27 @@ def test_flags_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str])
     assert "keep 'bare'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown overhead modes"):
         overhead.OverheadConfig(modes=("ddp", "bare"))
+
+
+def test_profile_summarises_the_engine_labels(tmp_path) -> None:
+    """``--profile``: the profiled steps run under torch.profiler and the report sums each of
+    fullshard's labels ([Note: profiler labels]), with the command carrying the flag."""
+    from fullshard.labels import LABELS
+
+    args = ["--config", "overhead", "--units", "3", "--width", "8", "--batch", "2"]
+    args += ["--steps", "2", "--warmup", "1", "--repeats", "1", "--nproc", "2"]
+    args += ["--modes", "fullshard,bare", "--profile-steps", "2", "--profile"]
+    out = tmp_path / "labels.json"
+    assert cli.main([*args, "--json", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (w,) = data["worlds"]
+    p = w["profile"]
+    assert p["kind"] == "labels" and p["steps"] == 2
+    rows = {r["label"]: r for r in p["labels"]}
+    expected = set(LABELS) - {"all_gather_copy_out"}  # these units' parameters are views
+    assert expected <= set(rows), sorted(rows)
+    for label in expected:
+        assert rows[label]["calls_per_step"] >= 1 and rows[label]["cpu_ms_per_step"] > 0, label
+    assert rows["pre_forward"]["calls_per_step"] == 4  # 3 blocks and the root, per step
+    assert "--profile" in shlex.split(data["command"])
+    assert "fullshard's profiler labels" in overhead.table(data)

@@ -108,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         "--profile-steps", type=int, help="overhead: fullshard steps profiled on rank 0 (0: none)"
     )
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="overhead: profile the --profile-steps under torch.profiler and summarise "
+        "fullshard's labels (fullshard::<what> (<unit>)) instead of cProfile's functions",
+    )
+    p.add_argument(
         "--no-reshard-after-forward", action="store_true", help="keep units gathered after fwd"
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -141,7 +147,7 @@ def _configure(args: argparse.Namespace, name: str) -> BenchConfig:
 
 
 _GPT_ONLY = ("n_layer", "d_model", "no_reshard_after_forward")
-_OVERHEAD_ONLY = ("units", "width", "profile_steps")
+_OVERHEAD_ONLY = ("units", "width", "profile_steps", "profile")
 
 
 def _given(args: argparse.Namespace, fields: tuple[str, ...]) -> list[str]:
@@ -156,7 +162,10 @@ def _configure_overhead(args: argparse.Namespace) -> OverheadConfig:
         raise ValueError(f"{wrong or ['--all']} do not apply to --config overhead")
     cfg = overhead.OverheadConfig()
     fields = ("steps", "warmup", "repeats", "batch", "units", "width", "profile_steps")
-    return cfg.replace(**_changes(args, cfg.warmup, fields))
+    changes = _changes(args, cfg.warmup, fields)
+    if args.profile:
+        changes["labels"] = True
+    return cfg.replace(**changes)
 
 
 def _main_overhead(args: argparse.Namespace) -> int:

@@ -17,7 +17,10 @@ rank's time per step) of each repeat, then the median over repeats.
 
 After the timed runs, rank 0 runs ``profile_steps`` more ``fullshard`` steps under
 :mod:`cProfile` (the other ranks run the same steps unprofiled) and reports the top functions by
-cumulative and by own time, per step.
+cumulative and by own time, per step. With ``labels`` (``--profile``) those steps run under
+``torch.profiler`` instead, and the report sums fullshard's profiler labels ([Note: profiler
+labels] in ``fullshard.labels``): per label, calls and CPU ms per step, and the unit that
+spent most in it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class OverheadConfig:
     profile_steps: int = 5
     """fullshard steps rank 0 runs under cProfile after the timed runs (0: no profile)."""
     profile_rows: int = 15
+    labels: bool = False
+    """Profile under ``torch.profiler`` and summarise fullshard's labels (``--profile``)."""
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in OVERHEAD_MODES]
@@ -103,6 +108,8 @@ class OverheadConfig:
         args += ["--warmup", str(self.warmup), "--repeats", str(self.repeats)]
         args += ["--nproc", ",".join(map(str, self.nprocs)), "--modes", ",".join(self.modes)]
         args += ["--profile-steps", str(self.profile_steps)]
+        if self.labels:
+            args.append("--profile")
         return shlex.join(args)
 
 
@@ -163,6 +170,48 @@ def _short(filename: str) -> str:
     return filename
 
 
+def _label_profile(
+    cfg: OverheadConfig, model: Any, opt: Any, inputs: list[Any], rank: int
+) -> dict[str, Any] | None:
+    """The profiled steps under ``torch.profiler``: fullshard's labels summed (rank 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if rank != 0:
+        for x in inputs:
+            _step(model, opt, x)
+        dist.barrier()
+        return None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x in inputs:
+            _step(model, opt, x)
+    dist.barrier()
+    n = cfg.profile_steps
+    per: dict[str, dict[str, Any]] = {}
+    for ev in prof.key_averages():
+        if not ev.key.startswith("fullshard::"):
+            continue
+        what, _, unit = ev.key.removeprefix("fullshard::").partition(" (")
+        row = per.setdefault(what, {"label": what, "calls": 0, "us": 0.0, "top": ("", -1.0)})
+        row["calls"] += ev.count
+        row["us"] += ev.cpu_time_total
+        if ev.cpu_time_total > row["top"][1]:
+            row["top"] = (unit.removesuffix(")"), ev.cpu_time_total)
+    rows = [
+        {
+            "label": r["label"],
+            "calls_per_step": r["calls"] / n,
+            "cpu_ms_per_step": r["us"] / 1e3 / n,
+            "top_unit": r["top"][0],
+        }
+        for r in per.values()
+    ]
+    return {
+        "kind": "labels",
+        "steps": n,
+        "labels": sorted(rows, key=lambda r: -r["cpu_ms_per_step"]),
+    }
+
+
 def _profile(cfg: OverheadConfig, rank: int) -> dict[str, Any] | None:
     """``profile_steps`` fullshard steps after ``warmup`` unprofiled ones; rows on rank 0 only."""
     model, opt = _build(cfg, "fullshard")
@@ -171,6 +220,8 @@ def _profile(cfg: OverheadConfig, rank: int) -> dict[str, Any] | None:
         _step(model, opt, x)
     gc.collect()
     dist.barrier()
+    if cfg.labels:
+        return _label_profile(cfg, model, opt, inputs[cfg.warmup :], rank)
     prof = cProfile.Profile() if rank == 0 else None
     for x in inputs[cfg.warmup :]:
         if prof is not None:
@@ -196,6 +247,7 @@ def _profile(cfg: OverheadConfig, rank: int) -> dict[str, Any] | None:
     )
     k = cfg.profile_rows
     return {
+        "kind": "cprofile",
         "steps": n,
         "profiled_step_ms": total,
         "by_cumulative": sorted(rows, key=lambda r: -r["cum_ms_per_step"])[:k],
@@ -315,6 +367,22 @@ def _profile_lines(w: dict[str, Any], fmt: str) -> list[str]:
     p = w["profile"]
     if p is None:
         return []
+    if p["kind"] == "labels":
+        head = ["label", "calls/step", "cpu ms/step", "unit spending most"]
+        rows = [
+            [
+                f"`{r['label']}`" if fmt == "md" else r["label"],
+                f"{r['calls_per_step']:g}",
+                f"{r['cpu_ms_per_step']:.2f}",
+                r["top_unit"],
+            ]
+            for r in p["labels"]
+        ]
+        title = (
+            f"fullshard's profiler labels on rank 0 of {w['world_size']} ({p['steps']} steps "
+            f"under torch.profiler; a label's time includes the labels inside it):"
+        )
+        return [title, "", *_render([head, *rows], fmt)]
     out = [
         f"cProfile of fullshard on rank 0 of {w['world_size']} ({p['steps']} steps, "
         f"{p['profiled_step_ms']:.1f} ms/step under the profiler), top by cumulative and own time:"
