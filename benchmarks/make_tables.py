@@ -5,7 +5,8 @@
     python benchmarks/make_tables.py --from-json benchmarks/results/latest.json  # re-render
 
 Raw results go to benchmarks/results/latest.json. The analysis in benchmarks/NOTES.md is copied
-in verbatim below the tables (edit it there, not in BENCHMARKS.md).
+in verbatim below the tables (edit it there, not in BENCHMARKS.md); other ``## `` sections
+written into BENCHMARKS.md by hand are kept, after the generated ones.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -78,12 +81,14 @@ def plan_accuracy(engine: str) -> list[dict[str, Any]]:
 
 
 def _commit() -> str:
-    """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+    """The checkout's commit, ``+dirty`` when tracked files other than this script's own
+    outputs (BENCHMARKS.md, benchmarks/results/, which a --merge chain rewrites) differ."""
 
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    outputs = [":(exclude)BENCHMARKS.md", ":(exclude)benchmarks/results"]
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs)
     return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty else "")
 
 
@@ -92,9 +97,31 @@ def _provenance(r: dict[str, Any]) -> list[str]:
     if "command" not in r:
         return []
     return [
-        f"Command: `{r['command']}` at commit {r['commit']}, started {r['started']} (load "
-        f"average {r['load_avg_at_start']}); {r['config']['repeats']} interleaved repeats, "
-        "modes alternating.",
+        f"Command: `{r['command']}` at commit {r['commit']}, {r['started']} to "
+        f"{r['ended'][-9:]} (load average at start {r['load_avg_at_start']}); "
+        f"{r['config']['repeats']} repeat(s) of every mode, modes alternating (A B C, C B A).",
+        "",
+        *_load_warning([r]),
+    ]
+
+
+def _load_warning(runs: list[dict[str, Any]]) -> list[str]:
+    """A warning when other work loaded the machine while these runs ran (load > cores)."""
+    loads = [
+        x
+        for r in runs
+        for m in r["modes"].values()
+        for x in m.get("load_avg_before_runs", [])
+        if x is not None and x >= 0
+    ]
+    cores = os.cpu_count() or 1
+    if not loads or max(loads) <= cores:
+        return []
+    return [
+        f"Not a quiet machine: the load average before each mode's runs was "
+        f"{min(loads):.1f}-{max(loads):.1f} on {cores} cores (other jobs), so step times are "
+        "inflated and vary widely within a run (see the min-max ranges); compare the ratios "
+        "within one run, and with caution.",
         "",
     ]
 
@@ -143,7 +170,9 @@ def _peer_section(results: dict[str, Any]) -> list[str]:
     if e:
         out += [
             "",
-            f"{e['engine']}, config `{json.dumps(e['config'], sort_keys=True)}`; ZeRO "
+            f"{e['engine']}, config (`{runs[0]['config']['name']}`; "
+            "`train_micro_batch_size_per_gpu` is each config's per-rank batch) "
+            f"`{json.dumps(e['config'], sort_keys=True)}`; ZeRO "
             "defaults as resolved: "
             + ", ".join(f"`{k}` {v}" for k, v in e["shown"].items())
             + " (every resolved knob is in `benchmarks/results/latest.json`).",
@@ -238,8 +267,28 @@ def render(results: dict[str, Any]) -> str:
         out += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items()), ""]
     notes = ROOT / "benchmarks" / "NOTES.md"
     if notes.exists():
-        out += [notes.read_text().strip(), ""]
+        out += [
+            "*The analysis below is `benchmarks/NOTES.md`, written by hand for the runs it "
+            "names; the tables above carry their own commands and dates, which may be newer.*",
+            "",
+            notes.read_text().strip(),
+            "",
+        ]
     return "\n".join(out)
+
+
+def _sections(text: str) -> dict[str, str]:
+    """``## `` heading -> that section's text (up to the next ``## ``)."""
+    parts = re.split(r"^(?=## )", text, flags=re.M)
+    return {p.splitlines()[0]: p.rstrip() for p in parts if p.startswith("## ")}
+
+
+def keep_hand_written(new: str, old: str) -> str:
+    """``new`` plus the sections of ``old`` that ``new`` lacks: sections written into
+    BENCHMARKS.md by hand (e.g. ``## Planner vs published results``) outlive a regeneration."""
+    have = _sections(new)
+    kept = [text for head, text in _sections(old).items() if head not in have]
+    return "\n\n".join([new.rstrip(), *kept]) + "\n"
 
 
 def main() -> int:
@@ -264,14 +313,17 @@ def main() -> int:
                 c.replace(steps=args.steps, warmup=args.warmup) if c.name != "memory" else c
                 for c in cfgs
             ]
+        started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        load = round(os.getloadavg()[0], 2)
         results = run(cfgs, timeout=3600)
         results["command"] = " ".join(["python benchmarks/make_tables.py", *sys.argv[1:]])
         for r in results["runs"]:  # each config's own provenance survives later --merge runs
             r.update(
                 command=results["command"],
                 commit=_commit(),
-                started=results["machine"]["date"],
-                load_avg_at_start=results["machine"]["load_avg_at_start"],
+                started=started,
+                ended=results["machine"]["date"],  # machine_info() is taken after the runs
+                load_avg_at_start=load,
             )
         dest = ROOT / "benchmarks" / "results" / "latest.json"
         # The runs are kept before the plan checks start: a failure there loses nothing.
@@ -294,7 +346,8 @@ def main() -> int:
         results["configs"] = sorted(names, key=lambda n: order.get(n, 9))
         dest.write_text(json.dumps(results, indent=1))
         partial.unlink()
-    Path(args.out).write_text(render(results))
+    out = Path(args.out)
+    out.write_text(keep_hand_written(render(results), out.read_text() if out.exists() else ""))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
