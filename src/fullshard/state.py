@@ -32,8 +32,11 @@ recomputation, which changes no state) is refused.
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 __all__ = ["ShardedState", "TrainingState", "training_transition", "transition"]
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class ShardedState(enum.Enum):
@@ -68,14 +71,18 @@ _ALLOWED: frozenset[tuple[ShardedState, ShardedState]] = frozenset(
 )
 
 
-def transition(unit: str, current: ShardedState, new: ShardedState) -> ShardedState:
-    """Return ``new`` if ``current -> new`` is a legal move, else raise naming ``unit``."""
-    if (current, new) not in _ALLOWED:
+def _move(unit: str, current: _E, new: _E, allowed: frozenset[tuple[_E, _E]], what: str) -> _E:
+    if (current, new) not in allowed:
         raise RuntimeError(
-            f"unit {unit!r}: illegal state change {current.value} -> {new.value}; this is a "
+            f"unit {unit!r}: illegal {what} change {current.value} -> {new.value}; this is a "
             f"fullshard bug or a hook called out of order (please report it with the model)"
         )
     return new
+
+
+def transition(unit: str, current: ShardedState, new: ShardedState) -> ShardedState:
+    """Return ``new`` if ``current -> new`` is a legal move, else raise naming ``unit``."""
+    return _move(unit, current, new, _ALLOWED, "state")
 
 
 _T = TrainingState
@@ -97,10 +104,4 @@ _TRAINING_ALLOWED: frozenset[tuple[TrainingState, TrainingState]] = frozenset(
 def training_transition(unit: str, current: TrainingState, new: TrainingState) -> TrainingState:
     """Return ``new`` if ``current -> new`` is a legal move ([Note: training state]), else raise
     naming ``unit``."""
-    if (current, new) not in _TRAINING_ALLOWED:
-        raise RuntimeError(
-            f"unit {unit!r}: illegal training-state change {current.value} -> {new.value}; "
-            f"this is a fullshard bug or a hook called out of order (please report it with "
-            f"the model)"
-        )
-    return new
+    return _move(unit, current, new, _TRAINING_ALLOWED, "training-state")
