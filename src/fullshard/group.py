@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .backend import BackendPlan
 from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
@@ -26,6 +25,7 @@ from .labels import labelled
 from .mesh import MeshInfo
 from .overrides import CommOverrides
 from .param import ShardedParam
+from .partition import mesh_name, ranks_of, split_by_dtype, split_by_mesh
 from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
 from .pool import BufferContent, HostBufferPool
 from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
@@ -45,17 +45,6 @@ _SHARED_KNOBS = (
 )
 
 
-def _ranks(info: MeshInfo) -> tuple[tuple[int, ...], ...]:
-    """The global ranks of a unit's shard and replicate groups: what a collective runs over."""
-    groups = (info.shard_group, info.replicate_group)
-    return tuple(tuple(dist.get_process_group_ranks(g)) for g in groups if g is not None)
-
-
-def _mesh_name(info: MeshInfo) -> str:
-    names = info.mesh.mesh_dim_names
-    return f"mesh {names}" if names else f"mesh {info.mesh.mesh.tolist()}"
-
-
 class ParamGroup:
     """The parameters of one ``fully_shard`` unit, communicated together."""
 
@@ -73,7 +62,7 @@ class ParamGroup:
     ) -> None:
         self.params = params  # every parameter of the unit (what init, api and checkpoints see)
         # The parameters in this group's own buffer; parameters of other dtypes (frozen) live
-        # in ``subgroups``, one per dtype ([Note: one buffer per dtype]). Set by init_layout.
+        # in ``subgroups``, one per dtype ([Note: one buffer per dtype] in fullshard.partition). Set by init_layout.
         self.layout: list[ShardedParam] = params
         self.subgroups: list[ParamGroup] = []
         # Parameters whose shards define FSDP2's all-gather extension (fullshard.extension).
@@ -174,16 +163,18 @@ class ParamGroup:
             return
         if self.state is not ShardedState.SHARDED:
             raise RuntimeError(f"unit {self.name!r}: cannot change its parameters while unsharded")
-        own, by_mesh = self._split_by_mesh(self.params)
+        own, by_mesh = split_by_mesh(self.params, self.info)
         ext = [sp for sp in own if has_extension(sp.local)]
         self.extended = ExtensionGather(ext, on_grad_accumulated) if ext else None
-        self.layout, others = self._split_by_dtype([sp for sp in own if sp not in ext])
+        self.layout, others = split_by_dtype(
+            [sp for sp in own if sp not in ext], self.mp_policy, self.name
+        )
         own_dtype = own_dtype_policy(self.mp_policy)
         self.subgroups = [
             self._child(sub, self.info, f"{self.name} [{sub[0].orig_dtype}]", own_dtype)
             for sub in others
         ] + [
-            self._child(sub, sub[0].info, f"{self.name} [{_mesh_name(sub[0].info)}]")
+            self._child(sub, sub[0].info, f"{self.name} [{mesh_name(sub[0].info)}]")
             for sub in by_mesh
         ]
         for child in self.subgroups:
@@ -212,7 +203,7 @@ class ParamGroup:
             self.unsharded_buf, self._regions = None, []
             self._aliased = [sp.local for sp in self.layout]
             for sp, local in zip(self.layout, self._aliased):
-                self._make_unsharded(sp, local, on_grad_accumulated)
+                sp.make_unsharded(local, on_grad_accumulated)
         else:
             self.unsharded_buf = torch.empty(
                 self.world * self.total, dtype=dtype, device=self.device
@@ -222,7 +213,7 @@ class ParamGroup:
                 # ``.data``: a version counter of its own (see [Note: one version counter per
                 # unsharded parameter])
                 view = sp.unsharded_view(region).data
-                self._make_unsharded(sp, view, on_grad_accumulated)
+                sp.make_unsharded(view, on_grad_accumulated)
         self._release()
         self._layout_key = key
 
@@ -243,44 +234,6 @@ class ParamGroup:
             offloaded=self.offloaded,
             pin_memory=self.pin_memory,
         )
-
-    def _split_by_mesh(
-        self, params: list[ShardedParam]
-    ) -> tuple[list[ShardedParam], list[list[ShardedParam]]]:
-        """This group's mesh's parameters and, per other mesh, those sharded over it.
-
-        [Note: one group per mesh]
-        ``shard_placement_fn`` may give a parameter its own mesh (FSDP2's
-        ``ShardPlacementResult``; e.g. MoE experts on an expert-parallel mesh). A collective
-        runs over one process group, so each other mesh gets a child group with its own
-        buffer, all-gather and reduce-scatter (and dtype split), issued, waited on, freed and
-        reduced with this one; the unit's knobs apply to every child. With int
-        ``reshard_after_forward`` the children reshard fully.
-        """
-        by_mesh: dict[tuple[tuple[int, ...], ...], list[ShardedParam]] = {}
-        for sp in params:  # by ranks: units' MeshInfo objects differ (a tied parameter moves)
-            by_mesh.setdefault(_ranks(sp.info), []).append(sp)
-        own = by_mesh.pop(_ranks(self.info), [])
-        return own, list(by_mesh.values())
-
-    # [Note: one version counter per unsharded parameter]
-    # A unit's unsharded parameters are views of its one buffer, and views share their base's
-    # version counter: an in-place write to one (a forward pre-hook clamping a weight under
-    # no_grad, nn.Embedding's max_norm) would bump them all, and autograd would then refuse
-    # the backward of every other parameter of the unit saved before the write ("modified by
-    # an inplace operation"), where FSDP2, whose unsharded parameters are separate tensors,
-    # runs. So each is made from its view's ``.data``: the same memory, its own counter. A
-    # write into one bumps only its own, which is also how a unit tells that its pooled
-    # memory no longer holds its gather ([Note: taking back a unit's own gathered memory]).
-    @staticmethod
-    def _make_unsharded(
-        sp: ShardedParam, data: torch.Tensor, on_grad_accumulated: Callable[[ShardedParam], None]
-    ) -> None:
-        up = nn.Parameter(data, requires_grad=sp.requires_grad)
-        sp.unsharded_param = up
-        sp.grad_hooked = False  # a new leaf: no hook yet
-        if sp.requires_grad:
-            sp.hook_grad(on_grad_accumulated)
 
     def _aliasable(self) -> bool:
         """Whether this unit's unsharded parameters can be its shards themselves.
@@ -317,47 +270,6 @@ class ParamGroup:
                 for sp in self.layout
             )
         )
-
-    def _split_by_dtype(
-        self, params: list[ShardedParam]
-    ) -> tuple[list[ShardedParam], list[list[ShardedParam]]]:
-        """This group's own parameters and, per other dtype, the frozen ones to gather apart.
-
-        [Note: one buffer per dtype]
-        A packed buffer has one dtype. With ``param_dtype`` set every parameter is cast to it
-        and the unit has one buffer. Otherwise the parameters are split by dtype: the dtype
-        of the trainable ones keeps this group's buffer (and the gradient reduction); each
-        other dtype, which may only hold frozen parameters, gets a child group with its own
-        buffer and all-gather, issued, waited on and freed with this one. Gradients of two
-        dtypes in one unit would need one reduction per dtype: refused.
-        """
-        if self.mp_policy.param_dtype is not None:
-            # MixedPrecisionPolicy.param_dtype_override_fn (torch 2.15) may keep some
-            # parameters in their own dtype: each such dtype gets a child group, which gathers
-            # in that dtype and reduces its own gradients.
-            kept: dict[torch.dtype, list[ShardedParam]] = {}
-            for sp in params:
-                if sp.keeps_own_dtype and sp.orig_dtype != self.mp_policy.param_dtype:
-                    kept.setdefault(sp.orig_dtype, []).append(sp)
-            cast = [sp for sp in params if not any(sp in v for v in kept.values())]
-            return cast, list(kept.values())
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for sp in params:
-            by_dtype.setdefault(sp.orig_dtype, []).append(sp)
-        if len(by_dtype) <= 1:
-            return params, []
-        trainable = {sp.orig_dtype for sp in params if sp.requires_grad}
-        if len(trainable) > 1:
-            listing = ", ".join(f"{sp.fqn}: {sp.orig_dtype}" for sp in params if sp.requires_grad)
-            raise ValueError(
-                f"unit {self.name!r} has trainable parameters of several dtypes ({listing}); "
-                f"a unit reduces gradients in one dtype (frozen parameters may differ). Cast "
-                f"the module to one dtype, set MixedPrecisionPolicy(param_dtype=...), or "
-                f"shard the odd parameters in their own fully_shard call"
-            )
-        main = trainable.pop() if trainable else params[0].orig_dtype
-        others = [group for dtype, group in by_dtype.items() if dtype != main]
-        return by_dtype[main], others
 
     @property
     def own_params(self) -> list[ShardedParam]:
@@ -560,8 +472,8 @@ class ParamGroup:
             self.reshard()
             return
         for child in self.subgroups:
-            if _ranks(child.info) != _ranks(self.info):  # another mesh: its own ranks
-                child.reshard()  # ([Note: one group per mesh])
+            if ranks_of(child.info) != ranks_of(self.info):  # another mesh: its own ranks
+                child.reshard()  # ([Note: one group per mesh] in fullshard.partition)
                 continue
             child.post_forward_group = self.post_forward_group
             child.post_forward_index = self.post_forward_index

@@ -121,7 +121,7 @@ def _resolve_placement(
     ``ShardPlacementResult`` (``placement`` and ``mesh_info``, whose ``mesh`` is a 1-D shard
     or 2-D (replicate, shard) mesh) shards this parameter over its own mesh: the unit then
     gathers and reduces it in a separate communication group ([Note: one group per mesh] in
-    ``fullshard.group``). As in FSDP2, a ``mesh_info`` with ``dp_mesh_dims`` (and
+    ``fullshard.partition``). As in FSDP2, a ``mesh_info`` with ``dp_mesh_dims`` (and
     ``spmd_mesh``, the full mesh) puts that parameter in the full-SPMD-mesh form whatever the
     unit uses, and one without puts it in the sub-mesh form.
     """

@@ -396,6 +396,26 @@ class ShardedParam:
         for module, name in self.refs:
             module._parameters[name] = self.sharded_param
 
+    # [Note: one version counter per unsharded parameter]
+    # A unit's unsharded parameters are views of its one buffer, and views share their base's
+    # version counter: an in-place write to one (a forward pre-hook clamping a weight under
+    # no_grad, nn.Embedding's max_norm) would bump them all, and autograd would then refuse
+    # the backward of every other parameter of the unit saved before the write ("modified by
+    # an inplace operation"), where FSDP2, whose unsharded parameters are separate tensors,
+    # runs. So each is made from its view's ``.data`` (``fullshard.group`` passes it): the
+    # same memory, its own counter. A write into one bumps only its own, which is also how a
+    # unit tells that its pooled memory no longer holds its gather ([Note: taking back a
+    # unit's own gathered memory] in fullshard.pool).
+    def make_unsharded(
+        self, data: torch.Tensor, on_grad_accumulated: Callable[[ShardedParam], None]
+    ) -> None:
+        """Make the unsharded ``nn.Parameter`` around ``data`` (a new leaf, hooked for its
+        unit's post-backward when it requires grad)."""
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+        self.grad_hooked = False  # a new leaf: no hook yet
+        if self.requires_grad:
+            self.hook_grad(on_grad_accumulated)
+
     def hook_grad(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Have the unsharded parameter's accumulated gradients call ``on_grad_accumulated``
         (the unit counts them to fire its post-backward); once per unsharded parameter."""
