@@ -20,11 +20,14 @@ fi
 VERSION=$1
 shift
 
-# The engine parity matrix, FSDP2 conformance and the framework clients (pipelining,
-# Accelerate, Fabric, transformers, DCP).
+# The engine parity matrix, FSDP2 conformance (behaviours compared with FSDP2 on that torch
+# too), the framework clients (pipelining, Accelerate, Fabric, transformers, DCP), the backend
+# plan and the stream-order checker.
 SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/test_torch215_api.py tests/clients
         tests/test_engine_knobs.py tests/test_features.py tests/test_checkpoint.py
-        tests/test_composition.py tests/test_install.py)
+        tests/test_composition.py tests/test_install.py tests/test_conformance.py
+        tests/test_frozen.py tests/test_backend_plan.py tests/test_stream_order.py
+        tests/test_labels.py tests/test_states.py)
 ARGS=(tests)
 if [ $# -gt 0 ]; then
   case "$1" in
