@@ -469,10 +469,8 @@ class FSDPModule(_TorchFSDPModule):
         pool registered with its communicators, for zero-copy transfers) or with
         ``torch.empty`` (``False``, the default). Not recursive, as in FSDP2.
 
-        On a CPU unit it is accepted and changes nothing, as in FSDP2 (gloo has no allocator
-        of its own, so FSDP2 falls back to ``torch.empty``; fullshard's CPU path exchanges
-        straight from/into parameters and gradients). Cannot be combined with
-        :meth:`set_custom_all_gather`, :meth:`set_custom_reduce_scatter` or
+        On a CPU unit it is accepted and changes nothing, as in FSDP2 (gloo has no allocator,
+        FSDP2 falls back to ``torch.empty``). Cannot be combined with custom comms or
         :meth:`set_symm_mem_for_comm` (``FullyShardError``, an ``AssertionError`` as in
         FSDP2); see [Note: comm buffers from the backend] in ``fullshard.overrides``.
         """
