@@ -22,7 +22,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fullshard.memory.planner import Segment, Unit
+    from fullshard.memory.spec import Segment, Unit
 
 __all__ = ["TRACED_BLOCKS", "block_count", "expand", "with_blocks"]
 
