@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch
 import torch.distributed as dist
 
-from fullshard import collectives as C
+from fullshard.engine import collectives as C
 from fullshard.testing import run_distributed
 
 VARIANTS = (

@@ -8,7 +8,7 @@ Variants (each is a public setting, nothing is patched):
 - ``fullshard``: as shipped (``CommPolicy(transport="auto")``);
 - ``fs-packed``: ``transport="packed"`` — one packed buffer per collective, the NCCL path;
 - ``fs-p2p``: ``transport="p2p"`` — every gather and reduction in pieces (on more than 2
-  ranks the reduce-scatter needs scratch; see fullshard.transport);
+  ranks the reduce-scatter needs scratch; see fullshard.engine.transport);
 - ``fs-dtensor-step``: as shipped, but AdamW steps on the DTensors (no
   ``fullshard.optim.local_step``), as it must under FSDP2;
 - ``fsdp2``: torch FSDP2 (metered like in ``fullshard bench``);

@@ -12,7 +12,7 @@ with the other modes' steps around it: the median of the per-step ratios resolve
 Modes: ``fullshard`` (as ``fullshard bench`` runs it: AdamW on the local shards),
 ``fs-dtensor-step`` (AdamW on the DTensors), ``fs-rs2`` (two reductions in flight:
 ``set_reduce_scatter_max_input_buffers(2)``), ``fs-no-lend`` (the CPU pool lends no gradient
-memory: [Note: gradient memory lent for the next forward] in ``fullshard.pool``), ``fsdp2``
+memory: [Note: gradient memory lent for the next forward] in ``fullshard.engine.pool``), ``fsdp2``
 (torch FSDP2) and ``ddp`` (torch DDP).
 Each step is timed on every rank and the slower rank's time is kept. Prints each mode's
 median step time, the median per-step ratio of every mode to the last one named with its
@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from fullshard.bench.configs import BenchConfig, get_config
-from fullshard.hooks import STATE_ATTR
+from fullshard.engine.hooks import STATE_ATTR
 from fullshard.memory.tracker import MALLOC_ENV
 from fullshard.testing import run_distributed
 
@@ -85,7 +85,7 @@ def interleaved_rank(
             t0 = time.perf_counter()
             logits = nets[m](x)
             if step == 0 and m == "fs-no-lend":  # before the first backward plans any slab
-                nets[m].__dict__[STATE_ATTR]._context().pool.lends = False
+                nets[m].__dict__[STATE_ATTR]._context().comm.pool.lends = False
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
             loss.backward()
             opts[m].step()

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from fullshard.events import EngineEvent
+from fullshard.engine.events import EngineEvent
 
 VOCAB, DIM, HIDDEN, SEQ, GLOBAL_BATCH = 13, 10, 7, 6, 24
 
@@ -159,6 +159,6 @@ def shard_net(model: Net, **fully_shard_kwargs: object) -> Net:
 
 def reused_gathers(log: list[EngineEvent]) -> int:
     """Gathers in ``log`` that took back their unit's pooled memory instead of communicating
-    ([Note: taking back a unit's own gathered memory] in ``fullshard.pool``). ZeRO-3's theory
+    ([Note: taking back a unit's own gathered memory] in ``fullshard.engine.pool``). ZeRO-3's theory
     counts them as all-gathers."""
     return sum(e.kind == "gather_issue" and e.detail == "reused" for e in log)

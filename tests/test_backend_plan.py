@@ -1,4 +1,4 @@
-"""The backend plan ([Note: the backend plan] in fullshard.backend): what each device/backend
+"""The backend plan ([Note: the backend plan] in fullshard.engine.backend): what each device/backend
 gets, and every CPU special case switched off on its own (``CommPolicy.cpu_fast_paths_off``)
 training exactly as with it on, while the choice visibly changes what the engine does."""
 
@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard import CommPolicy, count_collectives, fully_shard
-from fullshard.backend import CPU_CHOICES, SMALL_UNIT_WINDOW_BYTES, BackendPlan
-from fullshard.events import record_events
-from fullshard.hooks import STATE_ATTR
+from fullshard.engine.backend import CPU_CHOICES, SMALL_UNIT_WINDOW_BYTES, BackendPlan
+from fullshard.engine.events import record_events
+from fullshard.engine.hooks import STATE_ATTR
 from fullshard.testing import run_distributed
 from parity import GLOBAL_BATCH, batch, loss_fn, make_net, shard_net
 
@@ -77,8 +77,8 @@ def _observe(model: nn.Module, step_fn: Any) -> dict[str, Any]:
         "pieces": ("gather_issue", "pieces") in events,
         "recycled": ("unshard_alloc", "recycled") in events or ("gather_issue", "reused") in events,
         "p2p": any(a in ("p2p", "all_reduce") for _, a in algos),
-        "window": ctx.window_bytes,
-        "slabs": ctx.pool.slabs_started,
+        "window": ctx.order.window_bytes,
+        "slabs": ctx.comm.pool.slabs_started,
     }
 
 

@@ -98,7 +98,7 @@ def test_flags_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str])
 def test_profile_summarises_the_engine_labels(tmp_path) -> None:
     """``--profile``: the profiled steps run under torch.profiler and the report sums each of
     fullshard's labels ([Note: profiler labels]), with the command carrying the flag."""
-    from fullshard.labels import LABELS
+    from fullshard.engine.labels import LABELS
 
     args = ["--config", "overhead", "--units", "3", "--width", "8", "--batch", "2"]
     args += ["--steps", "2", "--warmup", "1", "--repeats", "1", "--nproc", "2"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard import collectives as C
-from fullshard.backend import P2P_MIN_BYTES, P2P_SMALL_BYTES
+from fullshard.engine import collectives as C
+from fullshard.engine.backend import P2P_MIN_BYTES, P2P_SMALL_BYTES
 from fullshard.testing import run_distributed
 
 N = 1000  # elements per rank's chunk

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import CommPolicy, FSDPModule, MixedPrecisionPolicy, count_collectives, fully_shard
 from fullshard.api import _all_states
-from fullshard.events import record_events
+from fullshard.engine.events import record_events
 from fullshard.testing import run_distributed
 from parity import (
     Net,
@@ -96,7 +96,7 @@ def _run_cases() -> dict[tuple[str, str], tuple[list[float], dict[str, torch.Ten
 
 
 def _expected_paths(name: str, transport: str, world: int) -> set[tuple[str, str]]:
-    """Which way each unit gathered/reduced (fullshard.transport), as the event log shows.
+    """Which way each unit gathered/reduced (fullshard.engine.transport), as the event log shows.
 
     The parity model's units are far below ``P2P_MIN_BYTES``, so ``auto`` packs them; on one
     rank every unit is ``local`` (its unsharded parameters alias the shards)."""
@@ -338,8 +338,8 @@ def test_torch_distributed_checkpoint_works(tmp_path) -> None:
 
 
 def test_zero_dim_parameter_is_a_clear_error() -> None:
-    import fullshard.param as P
-    from fullshard.mesh import MeshInfo
+    import fullshard.engine.param as P
+    from fullshard.engine.mesh import MeshInfo
 
     with pytest.raises(ValueError, match="0-dimensional") as e:
         P.ShardedParam(

@@ -15,7 +15,7 @@ from fullshard import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from fullshard.events import record_events
+from fullshard.engine.events import record_events
 from fullshard.testing import run_distributed
 from parity import (
     batch,

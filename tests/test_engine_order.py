@@ -2,7 +2,7 @@
 
 Results and traffic counts cannot tell a prefetching engine from one that gathers late, or an
 overlapped reduce-scatter from one deferred to the end of backward; the event log
-(``fullshard.events.record_events``) can. Also: ``set_reshard_after_forward``,
+(``fullshard.engine.events.record_events``) can. Also: ``set_reshard_after_forward``,
 ``set_is_last_backward`` and CPU offload checked by effects that vanish if they are ignored.
 """
 
@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fullshard import CommPolicy, CPUOffloadPolicy, count_collectives
-from fullshard.events import EngineEvent, record_events
-from fullshard.hooks import STATE_ATTR
+from fullshard.engine.events import EngineEvent, record_events
+from fullshard.engine.hooks import STATE_ATTR
 from fullshard.testing import run_distributed
 from parity import (
     GLOBAL_BATCH,
@@ -82,7 +82,7 @@ def _order(transport: str, explicit: bool) -> dict[str, object]:
         ]
     if not explicit:  # the previous forward's order says blocks.2 comes two after blocks.0
         out["blocks.0 backward gather gathers"] = ("blocks.0", "reused") not in issues
-    out["nothing pooled after the step"] = model.__dict__[STATE_ATTR].ctx.pool.nbytes == 0
+    out["nothing pooled after the step"] = model.__dict__[STATE_ATTR].ctx.comm.pool.nbytes == 0
     return out
 
 
@@ -224,7 +224,7 @@ def _stale_copies() -> dict[str, object]:
         model = shard_net(make_net())
         loss_fn(model(x), y).backward()  # lazy init; the pool exists from here on
         model.zero_grad()
-        model.__dict__[STATE_ATTR].ctx.pool.enabled = pool
+        model.__dict__[STATE_ATTR].ctx.comm.pool.enabled = pool
         block = model.blocks[2]
         if change == "unsharded":  # writes into the gathered parameter during forward
             block.register_forward_pre_hook(_clamp_weight)  # after the unit's own (gather)
@@ -279,10 +279,10 @@ def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
 
     forward_backward(0)  # lazy init: the pool exists from here on
     ctx = model.__dict__[STATE_ATTR].ctx
-    ctx.pool.lends = lends
+    ctx.comm.pool.lends = lends
     # Lending serves the default one-unit prefetch; these tiny blocks would otherwise all be
-    # gathered ahead at once ([Note: a window for small units] in fullshard.context).
-    ctx.window_bytes = ctx.reduce_window_bytes = 0
+    # gathered ahead at once ([Note: a window for small units] in fullshard.engine.order).
+    ctx.order.window_bytes = ctx.reduce_window_bytes = 0
     opt.step()
     opt.zero_grad()
     forward_backward(1)  # plans and lends slabs to its last reductions
@@ -312,7 +312,7 @@ def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
     opt.step()
     out["params"] = [p.full_tensor() for p in model.parameters()]
     opt.zero_grad()
-    pool = model.__dict__[STATE_ATTR].ctx.pool
+    pool = model.__dict__[STATE_ATTR].ctx.comm.pool
     before = pool.slabs_started
     model.set_requires_gradient_sync(False)  # nothing is reduced: nothing may be lent
     forward_backward(0)

@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from fullshard.collectives import CollectiveError
+from fullshard.engine.collectives import CollectiveError
 from fullshard.testing import ChildFailed, run_distributed
 from parity import batch, loss_fn, make_net, shard_net
 

@@ -19,7 +19,7 @@ from fullshard import (
     count_collectives,
     fully_shard,
 )
-from fullshard.events import record_events
+from fullshard.engine.events import record_events
 from fullshard.testing import run_distributed
 from parity import (
     GLOBAL_BATCH,

@@ -21,10 +21,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _Torc
 
 import fullshard
 from fullshard import FullyShardError, fully_shard
-from fullshard.compat import PIPELINING_USES_FINALIZE_BACKWARD
-from fullshard.events import record_events
-from fullshard.hooks import FSDPState
-from fullshard.state import TrainingState
+from fullshard.engine.compat import PIPELINING_USES_FINALIZE_BACKWARD
+from fullshard.engine.events import record_events
+from fullshard.engine.hooks import FSDPState
+from fullshard.engine.state import TrainingState
 from fullshard.testing import run_distributed
 from parity import reused_gathers
 from test_composition_extra import BitsGather
@@ -285,7 +285,7 @@ def _methods() -> dict[str, Any]:
     fullshard.share_comm_ctx([a, b])
     for m in (a, b, c):
         m(x)
-    streams = [m._get_fsdp_state().ctx.streams for m in (a, b, c)]
+    streams = [m._get_fsdp_state().ctx.comm.streams for m in (a, b, c)]
     assert streams[0] is streams[1] and streams[2] is not streams[0]
     with pytest.raises(RuntimeError, match="before the first forward"):
         fullshard.share_comm_ctx([a, b])
@@ -458,8 +458,8 @@ def _backend_buffers() -> dict[str, Any]:
     set_symm_mem_for_comm carry every collective of the units they are set on (installed
     through the knobs' own helper: on a CPU unit the knobs refuse), with unchanged results;
     the knobs refuse to mix with each other and with custom comms."""
+    from fullshard.engine.overrides import BackendAllGather, BackendReduceScatter
     from fullshard.module import _set_backend_buffers
-    from fullshard.overrides import BackendAllGather, BackendReduceScatter
 
     out: dict[str, Any] = {}
     model = _model()
@@ -587,8 +587,8 @@ def _max_input_buffers() -> dict[str, Any]:
     """set_reduce_scatter_max_input_buffers: the engine keeps at most that many reductions in
     flight (the root's units share the largest cap), with unchanged gradients. Unset (0
     here), the CPU's window for small units keeps all four tiny units' reductions in flight
-    ([Note: a window for small units] in fullshard.context)."""
-    from fullshard.events import record_events
+    ([Note: a window for small units] in fullshard.engine.order)."""
+    from fullshard.engine.events import record_events
 
     out: dict[str, Any] = {}
     for cap in (0, 1, 2, 3):
@@ -608,7 +608,7 @@ def _max_input_buffers() -> dict[str, Any]:
 def _separate_reduce_group() -> dict[str, Any]:
     """set_separate_reduce_scatter_group: reductions run on a group of their own (created
     once, reused), all-gathers on the shard group; same results; False goes back."""
-    import fullshard.collectives as C
+    import fullshard.engine.collectives as C
 
     out: dict[str, Any] = {"default": _train(_model())}
     model = _model()

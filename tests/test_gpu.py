@@ -65,7 +65,7 @@ def test_comm_buffers_from_backend(nccl, source: str) -> None:
     from torch.distributed import _symmetric_memory as symm_mem
 
     from fullshard import FSDPModule
-    from fullshard.overrides import BackendAllGather, BackendReduceScatter
+    from fullshard.engine.overrides import BackendAllGather, BackendReduceScatter
 
     expected = _train(shard_net(make_net().cuda()))
     model = shard_net(make_net().cuda())

@@ -1,4 +1,4 @@
-"""Profiler labels ([Note: profiler labels] in fullshard.labels): a torch.profiler trace of one
+"""Profiler labels ([Note: profiler labels] in fullshard.engine.labels): a torch.profiler trace of one
 training step holds every label for every unit, named by its FQN; outside a profiler none is
 opened."""
 
@@ -10,7 +10,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from fullshard import fully_shard
-from fullshard.labels import LABELS
+from fullshard.engine.labels import LABELS
 from fullshard.testing import run_distributed
 
 

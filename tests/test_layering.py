@@ -1,9 +1,11 @@
-"""Dependencies point one way: engine <- checkpoint / memory / models / peers <- train / bench.
+"""Dependencies point one way: engine <- api <- checkpoint / memory / optim <- train / bench.
 
-Read from the source with ``ast`` (every ``import`` statement, including ones inside functions),
-so a lazy import cannot hide an edge. A module's layer is its first package below ``fullshard``
-(``fullshard.bench.worker`` -> ``bench``); every module outside the named layers (``api``,
-``hooks``, ``collectives``, ``testing``, and whatever the engine adds) is ``engine``.
+Read from the source with ``ast`` (every ``import`` statement, including ones inside functions
+and under ``TYPE_CHECKING``), so neither a lazy import nor a type-only one can hide an edge. A
+module's layer is its first package below ``fullshard`` (``fullshard.bench.worker`` ->
+``bench``, ``fullshard.engine.group`` -> ``engine``); the top-level modules outside the named
+layers (``fullshard``, ``api``, ``module``, ``patch``, ``clip``, ``testing``) are ``api``.
+Within the engine no module imports another that imports it back, directly or not.
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fullshard"
 
 #: layer -> the layers its modules may import from.
 MAY_IMPORT: dict[str, set[str]] = {
-    "engine": {"engine"},
+    "engine": {"engine"},  # the engine knows nothing above it (fullshard/engine/__init__.py)
+    "api": {"engine", "api"},  # fully_shard, FSDPModule, the patch, clipping, test helpers
     "models": set(),  # models never import fullshard: sharding is applied from outside
-    "peers": {"engine"},  # loads the benchmarks' fullshard_peers package by name
-    "checkpoint": {"engine", "checkpoint"},
-    "memory": {"engine", "memory", "models", "peers"},
-    "train": {"engine", "train", "checkpoint", "memory", "models", "peers"},
-    "bench": {"engine", "bench", "checkpoint", "memory", "models", "peers"},
+    "peers": {"engine", "api"},  # loads the benchmarks' fullshard_peers package by name
+    "optim": {"engine", "api", "optim"},
+    "checkpoint": {"engine", "api", "checkpoint", "optim"},
+    "memory": {"engine", "api", "memory", "models", "peers"},
+    "train": {"engine", "api", "train", "checkpoint", "memory", "models", "optim", "peers"},
+    "bench": {"engine", "api", "bench", "checkpoint", "memory", "models", "optim", "peers"},
     # `fullshard plan` (fullshard.memory.cli) speaks train's language (presets, config.toml):
     # a front-end at the tools' level; the planner itself (fullshard.memory) stays below train.
-    "plan": {"engine", "memory", "models", "peers", "train"},
+    "plan": {"engine", "api", "memory", "models", "peers", "train"},
     "cli": set(),  # dispatches to each tool by name (importlib), importing none of them
     "__main__": {"cli"},
 }
@@ -53,13 +57,14 @@ FSDP2_PUBLIC_TYPES = {
 
 
 def _layer(module: str) -> str:
-    """``fullshard.bench.worker`` -> ``bench``; ``fullshard.hooks`` / ``fullshard`` -> ``engine``."""
+    """``fullshard.bench.worker`` -> ``bench``; ``fullshard.engine.hooks`` -> ``engine``;
+    ``fullshard.api`` / ``fullshard`` -> ``api``."""
     if module == "fullshard.memory.cli":
         return "plan"
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in MAY_IMPORT:
         return parts[1]
-    return "engine"
+    return "api"
 
 
 def _module_name(path: Path) -> tuple[str, bool]:
@@ -96,7 +101,8 @@ def _sources() -> list[Path]:
 
 def test_layer_rule_table_covers_the_tool_packages() -> None:
     subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert {"train", "bench", "memory", "checkpoint"} <= subpackages
+    assert subpackages <= set(MAY_IMPORT), subpackages - set(MAY_IMPORT)
+    assert {"engine", "train", "bench", "memory", "checkpoint", "optim"} <= subpackages
     assert {"models", "peers"} <= {p.stem for p in PACKAGE.glob("*.py")}
 
 
@@ -147,8 +153,11 @@ def test_the_fsdp2_peer_lives_in_the_benchmarks_package() -> None:
 @pytest.mark.parametrize(
     ("module", "layer"),
     [
-        ("fullshard", "engine"),
-        ("fullshard.hooks", "engine"),
+        ("fullshard", "api"),
+        ("fullshard.module", "api"),
+        ("fullshard.engine.hooks", "engine"),
+        ("fullshard.engine", "engine"),
+        ("fullshard.optim.muon", "optim"),
         ("fullshard.bench.worker", "bench"),
         ("fullshard.models", "models"),
         ("fullshard.checkpoint", "checkpoint"),
@@ -158,3 +167,53 @@ def test_the_fsdp2_peer_lives_in_the_benchmarks_package() -> None:
 )
 def test_layer_of(module: str, layer: str) -> None:
     assert _layer(module) == layer
+
+
+def _engine_graph() -> dict[str, set[str]]:
+    """Engine module -> the engine modules it imports (any import, any place in the file)."""
+    engine = {_module_name(p)[0] for p in _sources() if _layer(_module_name(p)[0]) == "engine"}
+    graph: dict[str, set[str]] = {}
+    for path in _sources():
+        name, _ = _module_name(path)
+        if name in engine:
+            graph[name] = {t for _, t in _imports(path) if t in engine and t != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles_in_the_engine() -> None:
+    graph = _engine_graph()
+    assert len(graph) > 20 and "fullshard.engine.group" in graph
+    cycle = _cycle(graph)
+    assert cycle is None, (
+        "engine modules import each other in a circle (type-only imports count): "
+        + " -> ".join(cycle)
+        + "; type the lower module by a Protocol of what it reads, or move the function"
+    )
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

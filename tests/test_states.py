@@ -1,4 +1,4 @@
-"""The unit state machines ([Note: sharded state], [Note: training state] in fullshard.state):
+"""The unit state machines ([Note: sharded state], [Note: training state] in fullshard.engine.state):
 every legal move is accepted, every other is refused with the unit named, and a unit's
 hooks firing out of order (its pre-backward during its own backward) fail loudly."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fullshard import fully_shard
-from fullshard.state import (
+from fullshard.engine.state import (
     _ALLOWED,
     _TRAINING_ALLOWED,
     ShardedState,
@@ -68,3 +68,54 @@ def _out_of_order() -> str:
 def test_a_hook_out_of_order_names_the_unit() -> None:
     msg = run_distributed(_out_of_order, 2)[0]
     assert "unit '0': illegal training-state change post_backward -> pre_backward" in msg, msg
+
+
+class _ReusesA(nn.Module):
+    """``a`` runs twice, then ``b``: one unit of both, as ``fully_shard([a, b])``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.between: list[ShardedState] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.a(x))
+        st = self.a.__dict__.get("_fullshard_state")
+        if st is not None:
+            self.between.append(st.group.state)
+        return self.b(h)
+
+
+def _unit_of_two_modules() -> dict[str, object]:
+    from fullshard.engine.events import record_events
+
+    torch.manual_seed(0)
+    ref = _ReusesA()
+    model = _ReusesA()
+    model.load_state_dict(ref.state_dict())
+    fully_shard([model.a, model.b])
+    fully_shard(model)
+    x = torch.randn(4, 8)
+    out: dict[str, object] = {}
+    for step in range(2):
+        with record_events() as log:
+            model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        gathers = [e for e in log if e.kind == "gather_issue" and e.unit == "a"]
+        out[f"gathers{step}"] = len(gathers)
+    out["between"] = [s.value for s in model.between]
+    out["grads"] = max(
+        (p.grad.full_tensor() - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+    return out
+
+
+def test_a_unit_of_several_modules_ends_its_forward_after_the_last_one() -> None:
+    """Its post-forward (the reshard) waits until every module of the unit has finished, even
+    when one of them runs twice first (FSDP2 tracks the modules still to run, as here)."""
+    out = run_distributed(_unit_of_two_modules, 2)[0]
+    assert out["between"] == ["unsharded", "unsharded"], out
+    # one gather in forward and one in backward, each step
+    assert out["gathers0"] == out["gathers1"] == 2, out
+    assert out["grads"] < 1e-6, out

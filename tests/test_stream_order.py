@@ -1,5 +1,5 @@
 """Stream order, checked on the CPU ([Note: checking stream order on the CPU] in
-fullshard.streamcheck): the whole engine parity matrix runs under the checker with no
+fullshard.engine.streamcheck): the whole engine parity matrix runs under the checker with no
 unordered access, and removing any one of the engine's waits makes the checker fail."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from fullshard import collectives as C
-from fullshard.streamcheck import COMPUTE, check_streams
-from fullshard.streams import CommStreams
+from fullshard.engine import collectives as C
+from fullshard.engine.streamcheck import COMPUTE, check_streams
+from fullshard.engine.streams import CommStreams
 from fullshard.testing import run_distributed
 from parity import make_net, make_optimizer, shard_net, sharded_step
 from test_engine import _run_cases

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp as tfsdp
 
 from fullshard import GradientReductionHandle, MixedPrecisionPolicy
-from fullshard.compat import MP_HAS_PARAM_DTYPE_OVERRIDE
+from fullshard.engine.compat import MP_HAS_PARAM_DTYPE_OVERRIDE
 from fullshard.testing import run_distributed
 from parity import (
     GLOBAL_BATCH,
@@ -207,7 +207,7 @@ def test_supported_range_matches_pyproject(monkeypatch: pytest.MonkeyPatch) -> N
     import re
     from pathlib import Path
 
-    from fullshard import compat
+    from fullshard.engine import compat
 
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     lo, hi = compat.SUPPORTED_TORCH

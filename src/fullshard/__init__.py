@@ -23,10 +23,10 @@ if TYPE_CHECKING:
         share_comm_ctx,
     )
     from .clip import clip_grad_norm_
-    from .collectives import CollectiveStats, count_collectives
+    from .engine.collectives import CollectiveStats, count_collectives
+    from .engine.policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from .module import FullyShardError, GradientReductionHandle
     from .patch import TorchFSDPPatch, patch_torch_fsdp
-    from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 # public name -> the submodule that defines it
 _LAZY = {
@@ -40,12 +40,12 @@ _LAZY = {
     "TorchFSDPPatch": "patch",
     "patch_torch_fsdp": "patch",
     "clip_grad_norm_": "clip",
-    "CollectiveStats": "collectives",
-    "count_collectives": "collectives",
-    "CommPolicy": "policies",
-    "CPUOffloadPolicy": "policies",
-    "MixedPrecisionPolicy": "policies",
-    "OffloadPolicy": "policies",
+    "CollectiveStats": "engine.collectives",
+    "count_collectives": "engine.collectives",
+    "CommPolicy": "engine.policies",
+    "CPUOffloadPolicy": "engine.policies",
+    "MixedPrecisionPolicy": "engine.policies",
+    "OffloadPolicy": "engine.policies",
 }
 
 __all__ = [

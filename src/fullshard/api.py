@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,21 +28,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Placement
 
-from .compat import check_supported
-from .group import ParamGroup
-from .hooks import STATE_ATTR, FSDPState, states_under
-from .init import check_reshard_after_forward, claim_params
-from .mesh import default_mesh, mesh_info, mesh_info_from_dims
+from .engine.compat import check_supported
+from .engine.group import ParamGroup
+from .engine.hooks import STATE_ATTR, FSDPState, states_under
+from .engine.init import check_reshard_after_forward, claim_params
+from .engine.mesh import default_mesh, mesh_info, mesh_info_from_dims
+from .engine.policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .engine.streams import CommStreams
 from .module import (
     FSDPModule,
     FullyShardError,
     UnshardHandle,
     _all_states,
+    _check_fsdp_modules,
     _state,
-    register_fsdp_forward_method,
-    share_comm_ctx,
 )
-from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "FSDPModule",
@@ -123,7 +123,7 @@ def fully_shard(
       expert-parallel mesh; the unit then communicates one group per mesh. A ``mesh_info``
       with ``dp_mesh_dims`` and ``spmd_mesh`` (FSDP2's) puts that parameter in the
       full-SPMD-mesh form below, with or without the unit's own ``dp_mesh_dims``.
-    - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.policies`.
+    - ``mp_policy`` / ``offload_policy``: see :mod:`fullshard.engine.policies`.
     - ``ignored_params``: left as plain, unsharded, uncommunicated parameters.
     - ``dp_mesh_dims``: FSDP2's full-SPMD-mesh form: ``mesh`` is the whole mesh (e.g.
       ``(dp, tp)``), every parameter is a DTensor on it with ``Replicate()`` on the dims
@@ -131,7 +131,7 @@ def fully_shard(
       ``replicate``, HSDP); several names on one side are flattened. Sharded parameters stay
       DTensors on that mesh. Not with int ``reshard_after_forward`` (as FSDP2).
     - ``comm_policy`` (fullshard only): the transport (``packed`` / ``p2p`` / ``auto``) and
-      low-precision communication, see :class:`fullshard.policies.CommPolicy`.
+      low-precision communication, see :class:`fullshard.engine.policies.CommPolicy`.
 
     Parameters already owned by a unit applied earlier (a child) stay with it; a Parameter
     tied across units (e.g. embedding and output head) is handled, unlike FSDP2. Returns the
@@ -199,7 +199,10 @@ def fully_shard(
         and offload_policy.pin_memory
         and torch.cuda.is_available()
     )
-    params = claim_params(modules, info, shard_device, ignored, pin, shard_placement_fn, mp_policy)
+    below = [sp for st in states_under(modules) for sp in st.group.params]
+    params = claim_params(
+        modules, info, shard_device, ignored, pin, shard_placement_fn, mp_policy, below
+    )
     name = type(modules[0]).__name__
     group = ParamGroup(
         params,
@@ -245,3 +248,45 @@ def _check_module(m: object) -> None:
             f"model.layers: fully_shard(block)) or pass them as one unit: "
             f"fully_shard(list(model.layers))"
         )
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` run the unit's forward hooks (e.g. ``generate``).
+
+    A no-op on a module that is not an FSDPModule, as in FSDP2.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = _state(module)
+    original = getattr(module, method_name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        out = original(*args, **kwargs)
+        return state.post_forward(module, args, kwargs, out)
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (e.g. the model chunks of pipeline stages) share one set of CUDA
+    communication streams, as FSDP2 does, instead of one set per root.
+
+    Call it after ``fully_shard`` and before the first forward; on the CPU there are no
+    streams, so it only validates ``modules``.
+    """
+    _check_fsdp_modules(modules, "share_comm_ctx")
+    states = [_state(cast(nn.Module, m)) for m in modules]
+    if not states:
+        return
+    started = [st.name for st in states if st.ctx is not None]
+    if started:
+        raise RuntimeError(
+            f"share_comm_ctx must be called before the first forward; these roots already ran "
+            f"one: {started}"
+        )
+    shared = CommStreams(states[0].group.device, states[0].group.comm.plan)
+    for st in states:
+        st.shared_streams = shared

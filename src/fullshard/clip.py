@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from . import collectives as C
+from .engine import collectives as C
 
 __all__ = ["clip_grad_norm_"]
 

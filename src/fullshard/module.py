@@ -3,7 +3,7 @@
 fullshard's ``FSDPModule`` subclasses ``torch.distributed.fsdp.FSDPModule``, so code that
 recognises FSDP2 units by class (Accelerate, Lightning Fabric, transformers, torch's pipelining
 schedules and DCP helpers) sees fullshard's units as FSDP2 units. Every public method of
-``FSDPModule`` in each supported torch release (``fullshard.compat``) is overridden here
+``FSDPModule`` in each supported torch release (``fullshard.engine.compat``) is overridden here
 (``tests/test_fsdp2_compat.py`` checks that none is inherited): torch's methods reach into torch's engine state, which a fullshard unit does not
 have, so none of them ever runs.
 
@@ -22,11 +22,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from .finalize import GradientReductionHandle, finalize_backward, set_manual_backward_finalization
-from .group import ParamGroup
-from .hooks import STATE_ATTR, FSDPState, states_under
-from .init import check_reshard_after_forward, lazy_init, resolve_reshard
-from .overrides import (
+from .engine.finalize import (
+    GradientReductionHandle,
+    finalize_backward,
+    set_manual_backward_finalization,
+)
+from .engine.group import ParamGroup
+from .engine.hooks import STATE_ATTR, FSDPState, states_under
+from .engine.init import check_reshard_after_forward
+from .engine.overrides import (
     AllGatherComm,
     BackendAllGather,
     BackendReduceScatter,
@@ -34,15 +38,12 @@ from .overrides import (
     ReduceScatterComm,
     separate_reduce_scatter_groups,
 )
-from .streams import CommStreams
 
 __all__ = [
     "FSDPModule",
     "FullyShardError",
     "GradientReductionHandle",
     "UnshardHandle",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
 ]
 
 
@@ -143,7 +144,7 @@ class FSDPModule(_TorchFSDPModule):
         """
         state = _state(cast(nn.Module, self))
         if state.ctx is None:
-            lazy_init(state.outermost())
+            state.outermost().lazy_init()
         group = state.group
         group.unshard()
         handle = UnshardHandle(group)
@@ -201,7 +202,7 @@ class FSDPModule(_TorchFSDPModule):
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Whether the caller ends each backward iteration with :meth:`finalize_backward`
         (call on the root, before the forward; torch 2.15's FSDP2). See [Note: manual backward
-        finalization] in ``fullshard.finalize``; it supersedes :meth:`set_is_last_backward`."""
+        finalization] in ``fullshard.engine.finalize``; it supersedes :meth:`set_is_last_backward`."""
         set_manual_backward_finalization(_state(cast(nn.Module, self)), enabled)
 
     @overload
@@ -230,12 +231,12 @@ class FSDPModule(_TorchFSDPModule):
     ) -> None:
         """Turn gradient reduction on/off (off: accumulate unsharded gradients locally)."""
         for st in self._states(recurse):
-            st.group.requires_gradient_sync = requires_gradient_sync
+            st.group.overrides.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: skip (False) or do the all-reduce across replicas after the reduce-scatter."""
         for st in self._states(recurse):
-            st.group.requires_all_reduce = requires_all_reduce
+            st.group.overrides.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -255,7 +256,7 @@ class FSDPModule(_TorchFSDPModule):
         for st in states:
             st.reshard_after_forward = reshard_after_forward
             if st.ctx is not None:
-                resolve_reshard(st)
+                st.resolve_reshard()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the step (call it on the root).
@@ -271,7 +272,7 @@ class FSDPModule(_TorchFSDPModule):
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         for st in self._states(True):
-            st.group.gradient_divide_factor = float(factor)
+            st.group.overrides.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated FSDP2 name of :meth:`set_gradient_divide_factor`."""
@@ -284,7 +285,7 @@ class FSDPModule(_TorchFSDPModule):
         fullshard's collectives always sum and divide separately, so this changes only what
         an all-reduce hook sees: the sum, with the division after the hook."""
         for st in self._states(True):
-            st.group.force_sum_reduction = enable
+            st.group.overrides.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -295,7 +296,7 @@ class FSDPModule(_TorchFSDPModule):
 
         fullshard then reduces such units at the end of backward, in module order on every
         rank, so their reductions do not overlap backward compute (see
-        [Note: unused parameters] in ``fullshard.reduce``).
+        [Note: unused parameters] in ``fullshard.engine.reduce``).
         """
         for st in self._states(recurse):
             if reduce_scatter_unused_params:
@@ -366,7 +367,7 @@ class FSDPModule(_TorchFSDPModule):
         ``reduce_output`` is the 1-D reduce-scatter output (this rank's gradient shards back
         to back, padded), after the all-reduce across replicas with HSDP; the hook may modify
         it in place (e.g. an all-reduce over another group, a scaling) before it becomes the
-        parameters' ``.grad``. See [Note: the all-reduce hook] in ``fullshard.reduce``.
+        parameters' ``.grad``. See [Note: the all-reduce hook] in ``fullshard.engine.reduce``.
         ``stream`` (CUDA, not with HSDP, as FSDP2): the stream to run the hook on; ignored on
         the CPU.
         """
@@ -446,7 +447,7 @@ class FSDPModule(_TorchFSDPModule):
         recursive): the gathered buffer comes from ``comm.allocate((numel,), dtype=,
         device=)`` and the collective is ``comm(output_tensor=, input_tensor=, group=,
         async_op=)``, which returns a Work (or ``None`` once done). The unit then gathers
-        packed (one buffer, see ``fullshard.transport``)."""
+        packed (one buffer, see ``fullshard.engine.transport``)."""
         _check_comm(comm, "set_custom_all_gather")
         state = _state(cast(nn.Module, self))
         _check_collectives(state, "set_custom_all_gather")
@@ -472,7 +473,7 @@ class FSDPModule(_TorchFSDPModule):
         On a CPU unit it is accepted and changes nothing, as in FSDP2 (gloo has no allocator,
         FSDP2 falls back to ``torch.empty``). Cannot be combined with custom comms or
         :meth:`set_symm_mem_for_comm` (``FullyShardError``, an ``AssertionError`` as in
-        FSDP2); see [Note: comm buffers from the backend] in ``fullshard.overrides``.
+        FSDP2); see [Note: comm buffers from the backend] in ``fullshard.engine.overrides``.
         """
         state = _state(cast(nn.Module, self))
         if enable and _on_cpu_group(state):  # the buffers are torch.empty's already
@@ -555,45 +556,3 @@ def _check_symm_buffers(state: FSDPState, max_input_buffers: int, *, symmetric: 
             f"symmetric-memory segment of its own); keep max_input_buffers=1 with symmetric "
             f"memory"
         )
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>()`` run the unit's forward hooks (e.g. ``generate``).
-
-    A no-op on a module that is not an FSDPModule, as in FSDP2.
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
-    state = _state(module)
-    original = getattr(module, method_name)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        out = original(*args, **kwargs)
-        return state.post_forward(module, args, kwargs, out)
-
-    setattr(module, method_name, wrapped)
-
-
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Let several roots (e.g. the model chunks of pipeline stages) share one set of CUDA
-    communication streams, as FSDP2 does, instead of one set per root.
-
-    Call it after ``fully_shard`` and before the first forward; on the CPU there are no
-    streams, so it only validates ``modules``.
-    """
-    _check_fsdp_modules(modules, "share_comm_ctx")
-    states = [_state(cast(nn.Module, m)) for m in modules]
-    if not states:
-        return
-    started = [st.name for st in states if st.ctx is not None]
-    if started:
-        raise RuntimeError(
-            f"share_comm_ctx must be called before the first forward; these roots already ran "
-            f"one: {started}"
-        )
-    shared = CommStreams(states[0].group.device, states[0].group.plan)
-    for st in states:
-        st.shared_streams = shared

@@ -24,10 +24,9 @@ from typing import Any
 
 from torch import nn
 
-from . import api, module
-from .context import StepContext
-from .hooks import STATE_ATTR, FSDPState
-from .init import lazy_init
+from . import api
+from .engine.context import StepContext
+from .engine.hooks import STATE_ATTR, FSDPState
 
 __all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
 
@@ -52,8 +51,8 @@ def _originals() -> dict[int, tuple[str, Any]]:
     """id(torch's function) -> (name, fullshard's replacement)."""
     ours = {
         "fully_shard": api.fully_shard,
-        "register_fsdp_forward_method": module.register_fsdp_forward_method,
-        "share_comm_ctx": module.share_comm_ctx,
+        "register_fsdp_forward_method": api.register_fsdp_forward_method,
+        "share_comm_ctx": api.share_comm_ctx,
     }
     if not _TORCH_FUNCS:
         torch_api = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
@@ -137,7 +136,7 @@ class _GroupView:
 
 
 class _StateCtxView:
-    def __init__(self, ctx: StepContext) -> None:
+    def __init__(self, ctx: StepContext[FSDPState]) -> None:
         self.all_states = [_StateView(st) for st in ctx.states]
 
 
@@ -148,8 +147,8 @@ class _StateView:
         self._state = state
         self._fsdp_param_groups = [_GroupView(state)]
 
-    def _ctx(self) -> StepContext:
-        return self._state.ctx or lazy_init(self._state)
+    def _ctx(self) -> StepContext[FSDPState]:
+        return self._state.ctx or self._state.lazy_init()
 
     @property
     def _state_ctx(self) -> _StateCtxView:

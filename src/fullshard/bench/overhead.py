@@ -19,7 +19,7 @@ After the timed runs, rank 0 runs ``profile_steps`` more ``fullshard`` steps und
 :mod:`cProfile` (the other ranks run the same steps unprofiled) and reports the top functions by
 cumulative and by own time, per step. With ``labels`` (``--profile``) those steps run under
 ``torch.profiler`` instead, and the report sums fullshard's profiler labels ([Note: profiler
-labels] in ``fullshard.labels``): per label, calls and CPU ms per step, and the unit that
+labels] in ``fullshard.engine.labels``): per label, calls and CPU ms per step, and the unit that
 spent most in it.
 """
 

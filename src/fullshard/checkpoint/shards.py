@@ -69,7 +69,7 @@ def local_box(t: torch.Tensor, what: str) -> Box:
     if coord is None:
         raise CheckpointError(f"{what}: this rank is not part of the tensor's device mesh")
     if any(isinstance(p, _StridedShard) for p in t.placements):
-        # A dim sharded by dp inside a TP shard (fully_shard over TP, see fullshard.param):
+        # A dim sharded by dp inside a TP shard (fully_shard over TP, see fullshard.engine.param):
         # still one box per rank; torch's DTensor computes it.
         box_shape, box_start = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
         if tuple(box_shape) != tuple(t.to_local().shape):

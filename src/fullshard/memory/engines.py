@@ -36,7 +36,7 @@ class EngineModel:
     (fullshard's ``p2p`` transport, [Note: reducing in pieces])."""
     transport: tuple[str, str] | None = None
     """fullshard only: ``(backend, device type)``. The unit's transport is then what the
-    engine itself selects (``fullshard.transport.select_transport``), which sets
+    engine itself selects (``fullshard.engine.transport.select_transport``), which sets
     ``copy_out``, ``reduce_from_grads`` and ``aliases`` for the plan's shard-group size."""
     aliases: bool = False
     """The unit's unsharded parameters are its shards (fullshard's ``local`` transport on one
@@ -48,7 +48,7 @@ class EngineModel:
         ``select_transport``)."""
         if self.transport is None:
             return self
-        from fullshard.transport import select_transport  # imports torch
+        from fullshard.engine.transport import select_transport  # imports torch
 
         backend, device = self.transport
         t = select_transport("auto", backend, device, shard_size, unit_bytes, aliasable=aliasable)
@@ -62,8 +62,8 @@ class EngineModel:
 
 # fullshard's engine: one unit is prefetched each way and the previous reduce-scatter finishes
 # before the next one is issued; how units gather and reduce is the engine's own transport
-# choice for the backend (on gloo: in pieces, see fullshard.transport). On the CPU freed
-# unsharded buffers wait in a pool for the next gather (fullshard.pool): like a caching
+# choice for the backend (on gloo: in pieces, see fullshard.engine.transport). On the CPU freed
+# unsharded buffers wait in a pool for the next gather (fullshard.engine.pool): like a caching
 # allocator's reserve that memory is not tensor bytes, which is what the plan predicts.
 ENGINES: dict[str, EngineModel] = {
     "fullshard": EngineModel(

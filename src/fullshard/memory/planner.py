@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fullshard.backend import BackendPlan
+from fullshard.engine.backend import BackendPlan
 from fullshard.memory.ac import checkpointed
 from fullshard.memory.cost import OpCost
 from fullshard.memory.engines import ENGINES, EngineModel
@@ -345,7 +345,7 @@ def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> lis
     shard = sum(u.shard_numel for u in units) * f32
     n_states = OPTIMIZER_STATES[spec.optimizer]
     unit_bytes = [u.padded_numel * pbytes for u in units]
-    # [Note: a window for small units] in fullshard.context: fullshard's backend plan on the
+    # [Note: a window for small units] in fullshard.engine.order: fullshard's backend plan on the
     # CPU gathers and reduces small units further ahead ([Note: the backend plan])
     window = (
         BackendPlan.choose(eng.transport[1], eng.transport[0]).window_bytes if eng.transport else 0

@@ -235,7 +235,7 @@ class LiveTensorBytes(TorchDispatchMode):
             return res
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
-        # fullshard's buffer pool (fullshard.pool) frees and refills gathered buffers by
+        # fullshard's buffer pool (fullshard.engine.pool) frees and refills gathered buffers by
         # swapping data pointers with storages no tensor holds: follow both sides.
         self._orig_swap = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
         swap_orig = self._orig_swap

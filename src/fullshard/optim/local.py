@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..param import _dtensor_like
+from ..engine.param import _dtensor_like
 from .closure import run_closure
 
 __all__ = ["ELEMENTWISE", "local_step"]

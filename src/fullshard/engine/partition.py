@@ -1,7 +1,7 @@
 """How one unit's parameters are partitioned into buffers: one per mesh, one per dtype.
 
 A packed buffer is gathered and reduced by one collective over one process group, in one
-dtype. :class:`~fullshard.group.ParamGroup` keeps the parameters that share its mesh and
+dtype. :class:`~fullshard.engine.group.ParamGroup` keeps the parameters that share its mesh and
 its dtype in its own buffer and gives every other mesh and dtype a child group
 (:func:`split_by_mesh`, :func:`split_by_dtype`), issued, waited on, freed and reduced with it.
 

@@ -1,8 +1,8 @@
 """FSDP2's per-unit communication overrides: custom collectives, the all-reduce hook and the
 reduce-scatter knobs beyond the defaults (the ``set_*`` methods of ``FSDPModule``).
 
-One :class:`CommOverrides` per unit (``ParamGroup.overrides``, shared with the unit's per-dtype
-subgroups) holds them; ``fullshard.gather`` and ``fullshard.reduce`` read it.
+One :class:`CommOverrides` per unit (``ParamGroup.overrides``, shared by reference with the unit's
+per-dtype and per-mesh child groups) holds them; ``fullshard.engine.gather`` and ``fullshard.engine.reduce`` read it.
 
 - ``all_gather`` / ``reduce_scatter``: objects following torch's ``AllGather`` /
   ``ReduceScatter`` protocol (``allocate(size, dtype=, device=)`` and ``__call__``). A unit
@@ -10,13 +10,16 @@ subgroups) holds them; ``fullshard.gather`` and ``fullshard.reduce`` read it.
   collective through it, so that direction always uses the packed transport.
 - ``all_reduce_hook``: called on the unit's reduced gradient shards (the flat, padded
   reduce-scatter output; after the all-reduce across replicas with HSDP), as FSDP2 does.
-- ``reduce_scatter_unused_params``: see [Note: unused parameters] in ``fullshard.reduce``.
+- ``reduce_scatter_unused_params``: see [Note: unused parameters] in ``fullshard.engine.reduce``.
 - ``max_input_buffers``: reductions allowed in flight at once (the root's units share one cap,
   the largest any of them asks for; ``StepContext.make_room``); ``None``, the default, is 1
   widened on the CPU by the window for small units ([Note: a window for small units] in
-  ``fullshard.context``), which a cap set explicitly replaces.
+  ``fullshard.engine.order``), which a cap set explicitly replaces.
 - ``reduce_scatter_group``: a process group of its own for the unit's reduce-scatters
-  (:func:`separate_reduce_scatter_groups`).
+  (:func:`separate_reduce_scatter_groups`);
+- ``requires_gradient_sync``, ``requires_all_reduce``, ``gradient_divide_factor``,
+  ``force_sum_reduction``: how the unit's gradients are reduced (FSDP2's setters of the same
+  names); the child groups read them through the shared object.
 
 [Note: comm buffers from the backend]
 FSDP2's ``set_allocate_memory_from_process_group_for_comm`` and ``set_symm_mem_for_comm``
@@ -103,6 +106,12 @@ class CommOverrides:
     reduce_scatter_unused_params: bool = False
     max_input_buffers: int | None = None  # None: the default (see the module docstring)
     reduce_scatter_group: dist.ProcessGroup | None = None
+    # How gradients are reduced (FSDPModule.set_requires_gradient_sync, set_requires_all_reduce,
+    # set_gradient_divide_factor, set_force_sum_reduction_for_comms).
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
+    gradient_divide_factor: float | None = None
+    force_sum_reduction: bool = False
 
     def allows_local(self) -> bool:
         """Whether a one-rank unit may skip its collectives (the ``local`` transport): not when

@@ -22,16 +22,12 @@ the one set when a backward starts, and cannot change until the iteration is fin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .compat import TorchGradientReductionHandle
+from .context import StepContext
+from .hooks import FSDPState
 from .state import TrainingState
-
-if TYPE_CHECKING:
-    from .context import StepContext
-    from .hooks import FSDPState
 
 __all__ = ["GradientReductionHandle", "finalize_backward", "set_manual_backward_finalization"]
 
@@ -43,7 +39,7 @@ class GradientReductionHandle(TorchGradientReductionHandle):  # type: ignore[mis
     A subclass of ``torch.distributed.fsdp.GradientReductionHandle`` where torch has it (2.15).
     """
 
-    def __init__(self, ctx: StepContext | None, token: object | None) -> None:
+    def __init__(self, ctx: StepContext[FSDPState] | None, token: object | None) -> None:
         self._ctx = ctx
         self._token = token
 
@@ -94,7 +90,7 @@ def set_manual_backward_finalization(state: FSDPState, enabled: bool) -> None:
     state.manual_backward_finalization = enabled
 
 
-def _check_finalizable(root: FSDPState, ctx: StepContext) -> None:
+def _check_finalizable(root: FSDPState, ctx: StepContext[FSDPState]) -> None:
     if ctx.active_reduction is not None:
         raise RuntimeError(
             "The previous gradient reduction must be waited on before finalizing backward "
@@ -114,15 +110,15 @@ def _check_finalizable(root: FSDPState, ctx: StepContext) -> None:
             "set_manual_backward_finalization(True) on the root before forward (without it, "
             "each backward finalizes itself)"
         )
-    if ctx.callback_queued or _in_backward():
+    if ctx.backward_task is not None or _in_backward():
         raise RuntimeError("finalize_backward must be called after backward completes")
     for st in ctx.states:
         for g in (st.group, *st.group.subgroups):
             if g.partial.total is not None or (
                 g.has_unreduced_grads()
-                and g.requires_gradient_sync
+                and g.overrides.requires_gradient_sync
                 and g.info.replicate_size > 1
-                and not g.requires_all_reduce
+                and not g.overrides.requires_all_reduce
             ):
                 raise RuntimeError(
                     f"manual backward finalization does not support partial gradient "

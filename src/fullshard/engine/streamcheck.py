@@ -2,7 +2,7 @@
 
 [Note: checking stream order on the CPU]
 On CUDA the engine issues collectives on side streams and relies on a few waits for every
-buffer's safety ([Note: streams and buffer lifetimes] in ``fullshard.streams``):
+buffer's safety ([Note: streams and buffer lifetimes] in ``fullshard.engine.streams``):
 
 1. a side stream waits for the compute stream before its work (``CommStreams.use``), so a
    collective sees the buffer the compute stream just filled;

@@ -22,7 +22,7 @@ next gather), as in FSDP2: an extension that computes with its gathered output a
 (float8 weights) returns a view of it the first time and finds ``out`` refilled in place
 after. Gradients are
 reduced like any other parameter's. Such parameters sit outside the unit's packed buffer
-(:class:`~fullshard.group.ParamGroup` keeps them in ``extended``). As in FSDP2:
+(:class:`~fullshard.engine.group.ParamGroup` keeps them in ``extended``). As in FSDP2:
 
 - ``mesh`` is the 1-D shard mesh; ``outer_size`` / ``outer_stride`` are the shape the shard
   group splits (a tensor-parallel parameter's *local* TP shape);
@@ -46,18 +46,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import collectives as C
 from .overrides import allocate
+from .param import ShardedParam
 from .streamcheck import freed
-
-if TYPE_CHECKING:
-    from .group import ParamGroup
-    from .param import ShardedParam
+from .unit import CommUnit
 
 __all__ = ["ExtensionGather", "check_extension", "has_extension"]
 
@@ -102,7 +100,7 @@ class ExtensionGather:
         self._outputs: dict[int, list[torch.Tensor]] = {}
         self._pending: list[_Gathered] = []
 
-    def start(self, g: ParamGroup) -> None:
+    def start(self, g: CommUnit) -> None:
         """Call every shard's pre-all-gather and issue one all-gather per returned input."""
         world, group = g.world, g.info.shard_group
         comm = g.overrides.all_gather  # a custom AllGather runs these gathers too
@@ -129,9 +127,11 @@ class ExtensionGather:
                 if comm is not None:  # a custom all-gather gathers into what it allocates
                     out = allocate(comm, out.numel(), out.dtype, g.device)
                     received.append(out)
-                with g.streams.use("gather"):
+                with g.comm.streams.use("gather"):
                     handles.append(
-                        C.all_gather(out, send.view(-1), group, what=what, comm=comm, plan=g.plan)
+                        C.all_gather(
+                            out, send.view(-1), group, what=what, comm=comm, plan=g.comm.plan
+                        )
                     )
             outputs = [out.view(world, *send.shape) for send, out in zip(sends, kept)]
             self._pending.append(_Gathered(sp, handles, outputs, received, metadata))
@@ -149,7 +149,7 @@ class ExtensionGather:
             t.untyped_storage().resize_(t.numel() * t.element_size())
         return kept
 
-    def finish(self, g: ParamGroup) -> None:
+    def finish(self, g: CommUnit) -> None:
         """Wait for the gathers and build (first time) or refill the unsharded parameters."""
         pending, self._pending = self._pending, []
         dtype = g.mp_policy.param_dtype

@@ -1,36 +1,38 @@
 """Init-time work: claiming parameters at ``fully_shard``, and the root's lazy init.
 
 ``claim_params`` (at ``fully_shard``) turns every parameter of a new unit that no unit below
-owns into a :class:`~fullshard.param.ShardedParam`. ``lazy_init`` (the root's first forward,
-or an explicit ``unshard()``) then, once for the whole model:
+owns into a :class:`~fullshard.engine.param.ShardedParam`. Lazy init (``FSDPState.lazy_init`` in
+``fullshard.engine.hooks``: the root's first forward, or an explicit ``unshard()``) then, once
+for the whole model:
 
 1. names every unit and parameter by its FQN relative to the root and refuses parameters still
-   on the meta device (naming them);
+   on the meta device (naming them): :func:`name_units`;
 2. moves a parameter tied across units to the innermost unit that encloses every module using
-   it (FSDP2 refuses such models);
+   it (FSDP2 refuses such models): :func:`assign_shared_params`;
 3. builds each unit's layout (unsharded views, gradient hooks), resolves
    ``reshard_after_forward`` (``None``: False for the root, True for the rest; int ``k``: a
    ``k``-rank subgroup) and hands every unit the shared
-   :class:`~fullshard.context.StepContext`.
+   :class:`~fullshard.engine.context.StepContext`.
+
+The functions here work on modules and groups, not on the unit hooks' ``FSDPState``, so the
+hooks import them and nothing here imports the hooks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .backend import BackendPlan
-from .context import StepContext
-from .hooks import FSDPState, states_under
+from .group import ParamGroup
 from .mesh import MeshInfo, mesh_info, mesh_info_from_dims
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, keeps_own_dtype
 
-__all__ = ["check_reshard_after_forward", "claim_params", "lazy_init", "resolve_reshard"]
+__all__ = ["assign_shared_params", "check_reshard_after_forward", "claim_params", "name_units"]
 
 
 def check_reshard_after_forward(value: object, world: int | None) -> None:
@@ -56,6 +58,7 @@ def claim_params(
     pin_memory: bool,
     placement_fn: Callable[[nn.Parameter], object] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    owned_below: Iterable[ShardedParam] = (),
 ) -> list[ShardedParam]:
     """Shard every parameter in ``modules`` not owned by a unit below; re-tie shared ones.
 
@@ -63,9 +66,10 @@ def claim_params(
     ``ShardPlacementResult`` (a placement on another mesh) per parameter.
     Parameters that are DTensors on other mesh dims (tensor parallel) are sharded over
     ``info``'s mesh on top of their placements. ``mp_policy``'s ``param_dtype_override_fn``
-    is evaluated here, once per parameter.
+    is evaluated here, once per parameter. ``owned_below``: the parameters of the units
+    already applied inside ``modules``, which stay theirs.
     """
-    below = [sp for st in states_under(modules) for sp in st.group.params]
+    below = list(owned_below)
     by_sharded = {id(sp.sharded_param): sp for sp in below}
     claimed: dict[int, ShardedParam] = {}
     new: list[ShardedParam] = []
@@ -121,7 +125,7 @@ def _resolve_placement(
     ``ShardPlacementResult`` (``placement`` and ``mesh_info``, whose ``mesh`` is a 1-D shard
     or 2-D (replicate, shard) mesh) shards this parameter over its own mesh: the unit then
     gathers and reduces it in a separate communication group ([Note: one group per mesh] in
-    ``fullshard.partition``). As in FSDP2, a ``mesh_info`` with ``dp_mesh_dims`` (and
+    ``fullshard.engine.partition``). As in FSDP2, a ``mesh_info`` with ``dp_mesh_dims`` (and
     ``spmd_mesh``, the full mesh) puts that parameter in the full-SPMD-mesh form whatever the
     unit uses, and one without puts it in the sub-mesh form.
     """
@@ -204,22 +208,18 @@ def _check_foreign_dtensor(p: DTensor, fqn: str, m: nn.Module, info: MeshInfo) -
         )
 
 
-def lazy_init(root: FSDPState) -> StepContext:
-    """Make ``root`` the root of every unit below it (see the module docstring)."""
-    states = root.subtree_states()
-    for st in states[1:]:
-        if st.manual_backward_finalization:
-            raise RuntimeError(
-                f"set_manual_backward_finalization was called on the unit {st.name!r}, which "
-                f"is not the root: call it on the module fully_shard was applied to last"
-            )
-    names = {id(m): n for top in root.modules for n, m in top.named_modules()}
+def name_units(
+    root_modules: tuple[nn.Module, ...], units: list[tuple[tuple[nn.Module, ...], ParamGroup]]
+) -> None:
+    """Name every unit (its modules, group) and parameter by its FQN relative to the root;
+    refuse parameters still on the meta device, naming them."""
+    names = {id(m): n for top in root_modules for n, m in top.named_modules()}
     meta: list[str] = []
-    for st in states:
-        unit = names.get(id(st.modules[0]), "")
-        cls = type(st.modules[0]).__name__.removeprefix("FSDP")  # the user's class name
-        st.group.name = unit or f"{cls} (root)"
-        for sp in st.group.params:
+    for modules, group in units:
+        unit = names.get(id(modules[0]), "")
+        cls = type(modules[0]).__name__.removeprefix("FSDP")  # the user's class name
+        group.name = unit or f"{cls} (root)"
+        for sp in group.params:
             sp.sync_from_modules()
             module, attr = sp.refs[0]
             prefix = names.get(id(module), "")
@@ -233,37 +233,22 @@ def lazy_init(root: FSDPState) -> StepContext:
             f"module.to_empty(device=...) and then reset_parameters() (or load a "
             f"checkpoint) before the forward pass"
         )
-    plan = BackendPlan.for_group(
-        root.group.info.shard_group, root.group.device, root.group.comm_policy.cpu_fast_paths_off
-    )
-    ctx = StepContext(root, states, root.group.device, plan)
-    if root.shared_streams is not None:  # share_comm_ctx: one set of streams for several roots
-        ctx.streams = root.shared_streams
-    _assign_shared_params(states)
-    for st in states:
-        st.ctx = ctx
-        st.group.plan = plan
-        st.group.streams = ctx.streams
-        st.group.pool = ctx.pool
-        st.group.init_layout(st.on_grad_accumulated)
-        resolve_reshard(st)
-    return ctx
 
 
-def _assign_shared_params(states: list[FSDPState]) -> None:
+def assign_shared_params(units: list[tuple[tuple[nn.Module, ...], ParamGroup]]) -> None:
     """Give a parameter used by modules of several units to the innermost enclosing unit.
 
     FSDP2 refuses a Parameter reachable from two ``fully_shard`` calls (e.g. an embedding
     unit tied to the root's output head); here it moves to the unit whose subtree holds every
     module that uses it, which is unsharded whenever any of them computes.
     """
-    subtree = {id(st): {id(m) for top in st.modules for m in top.modules()} for st in states}
-    for owner in states:
-        for sp in list(owner.group.params):
+    subtree = [{id(m) for top in modules for m in top.modules()} for modules, _ in units]
+    for i, (_, owner) in enumerate(units):
+        for sp in list(owner.params):
             users = {id(m) for m, _ in sp.refs}
-            if users <= subtree[id(owner)]:
+            if users <= subtree[i]:
                 continue
-            enclosing = [st for st in states if users <= subtree[id(st)]]
+            enclosing = [j for j in range(len(units)) if users <= subtree[j]]
             if not enclosing:
                 names = [type(m).__name__ + "." + n for m, n in sp.refs]
                 raise ValueError(
@@ -271,26 +256,6 @@ def _assign_shared_params(states: list[FSDPState]) -> None:
                     f"fully_shard unit encloses; apply fully_shard to a common ancestor "
                     f"(e.g. the root model) as well"
                 )
-            target = min(enclosing, key=lambda st: len(subtree[id(st)]))
-            owner.group.params.remove(sp)
-            target.group.params.append(sp)
-
-
-def resolve_reshard(state: FSDPState) -> None:
-    """Turn the unit's ``reshard_after_forward`` into ``True``/``False``/a subgroup (int k)."""
-    value = state.reshard_after_forward
-    if value is None:
-        value = not state.is_root
-    group = state.group
-    world = group.world
-    check_reshard_after_forward(value, world)
-    if not isinstance(value, bool) and isinstance(value, int):
-        if value in (1, world):
-            value = value == world
-        else:
-            assert state.ctx is not None
-            pg, index = state.ctx.post_forward_subgroup(group, value)
-            group.post_forward_group, group.post_forward_index = pg, index
-    if isinstance(value, bool):
-        group.post_forward_group = None
-    state.reshard_policy = value
+            target = min(enclosing, key=lambda j: len(subtree[j]))
+            owner.params.remove(sp)
+            units[target][1].params.append(sp)

@@ -6,7 +6,7 @@ from the unsharded gradient, and the peers' rows for this rank land in the outpu
 more than 2 ranks, all but one peer's in a scratch buffer), where this rank's own rows are
 added on wait: no packed ``[world, total]`` buffer, no packing copy. The gradients stay alive
 until then (as the packed buffer would). fp16's pre-division and a reduce dtype other than the
-gradients' still pack (see [Note: packed layouts] in ``fullshard.gather``).
+gradients' still pack (see [Note: packed layouts] in ``fullshard.engine.gather``).
 
 [Note: HSDP]
 On a 2-D (replicate, shard) mesh the reduce-scatter over the shard group is followed by an
@@ -38,8 +38,9 @@ changes nothing else).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,14 +50,13 @@ from .events import emit
 from .labels import labelled
 from .overrides import CommOverrides, allocate, run_hook
 from .param import ShardedParam, _dtensor_like
-
-if TYPE_CHECKING:
-    from .group import ParamGroup
-    from .streams import CommStreams
+from .streams import CommStreams
+from .unit import CommUnit
 
 __all__ = [
     "PartialReduce",
     "PendingReduce",
+    "ReduceUnit",
     "collect_grads",
     "hand_out_local",
     "lendable_output_nbytes",
@@ -90,6 +90,34 @@ class PartialReduce:
                 "the parameters with gradients changed between micro-steps that skipped the "
                 "all-reduce (set_requires_all_reduce(False)); keep the same parameters in use"
             )
+
+
+class ReduceUnit(CommUnit, Protocol):
+    """What the reduction reads of a unit (``ParamGroup`` is one), beyond ``CommUnit``."""
+
+    @property
+    def own_params(self) -> list[ShardedParam]:
+        """The parameters whose gradients this group reduces itself."""
+
+    @property
+    def subgroups(self) -> Sequence[object]:
+        """Child groups (per dtype or mesh), which reduce their own gradients."""
+
+    @property
+    def partial(self) -> PartialReduce:
+        """HSDP sums kept across micro-steps without the all-reduce."""
+
+    @property
+    def reduce_group(self) -> dist.ProcessGroup: ...
+
+    @property
+    def pin_memory(self) -> bool: ...
+
+    def accum_dtype(self) -> torch.dtype: ...
+
+    def wire_reduce_dtype(self) -> torch.dtype: ...
+
+    def unsharded_nbytes(self) -> int: ...
 
 
 @dataclass
@@ -159,7 +187,7 @@ class PendingReduce:
             sp.make_grad(shard)
 
 
-def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
+def collect_grads(g: ReduceUnit) -> list[tuple[ShardedParam, torch.Tensor]]:
     """Take the unit's unsharded gradients off its parameters.
 
     With gradient sync on, returns ``(param, gradient)`` pairs to reduce (accumulated
@@ -168,7 +196,9 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
     """
     reduce_dtype = g.accum_dtype()
     # see [Note: unused parameters]
-    unused_as_zeros = g.overrides.reduce_scatter_unused_params and g.requires_gradient_sync
+    unused_as_zeros = (
+        g.overrides.reduce_scatter_unused_params and g.overrides.requires_gradient_sync
+    )
     ready: list[tuple[ShardedParam, torch.Tensor]] = []
     with torch.no_grad():
         for sp in g.own_params:
@@ -182,7 +212,7 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
                 if sp.unsharded_accum_grad is not None:
                     sp.unsharded_accum_grad.add_(grad)
                     grad = sp.unsharded_accum_grad
-                elif grad.dtype != reduce_dtype and not g.requires_gradient_sync:
+                elif grad.dtype != reduce_dtype and not g.overrides.requires_gradient_sync:
                     grad = grad.to(reduce_dtype)
             elif sp.unsharded_accum_grad is not None:
                 grad = sp.unsharded_accum_grad
@@ -190,7 +220,7 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
                 grad = torch.zeros(sp.data_shape, dtype=up.dtype, device=g.device)
             if grad is None:
                 continue
-            if g.requires_gradient_sync:
+            if g.overrides.requires_gradient_sync:
                 sp.unsharded_accum_grad = None
                 ready.append((sp, grad))
             else:
@@ -199,7 +229,7 @@ def collect_grads(g: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
     return ready
 
 
-def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) -> PendingReduce:
+def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> PendingReduce:
     """Reduce-scatter ``ready``'s gradients the way the unit's transport says; empties
     ``ready`` (so the caller holds no gradient references)."""
     dtype = g.wire_reduce_dtype()
@@ -207,7 +237,7 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     for sp, _ in ready:
         offsets.append(off)
         off += sp.shard_numel
-    factor = g.gradient_divide_factor
+    factor = g.overrides.gradient_divide_factor
     if factor is None:
         factor = float(g.world * g.info.replicate_size)
     # fp16 sums overflow easily: divide by sqrt(factor) before and after the reduction.
@@ -236,22 +266,22 @@ def start_reduce(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         out,
         params,
         offsets,
-        g.info.replicate_group if hsdp and g.requires_all_reduce else None,
+        g.info.replicate_group if hsdp and g.overrides.requires_all_reduce else None,
         factor / pre,
         send,
         what,
-        g.streams,
+        g.comm.streams,
         offload=g.offloaded,
         pin=g.pin_memory,
         partial=g.partial if hsdp else None,
         overrides=g.overrides,
-        force_sum=g.force_sum_reduction,
+        force_sum=g.overrides.force_sum_reduction,
         nbytes=g.unsharded_nbytes(),
     )
 
 
 def _reduce_packed(
-    g: ParamGroup,
+    g: ReduceUnit,
     params: list[ShardedParam],
     grads: list[torch.Tensor | None],
     offsets: list[int],
@@ -283,15 +313,15 @@ def _reduce_packed(
         out = (
             allocate(comm, total, dtype, g.device) if comm is not None else _output(g, total, dtype)
         )
-    with g.streams.use("reduce"):
+    with g.comm.streams.use("reduce"):
         handle = C.reduce_scatter(
-            out, send.view(-1), g.reduce_group, what=what, comm=comm, plan=g.plan
+            out, send.view(-1), g.reduce_group, what=what, comm=comm, plan=g.comm.plan
         )
     return handle, out, send
 
 
 def _reduce_in_pieces(
-    g: ParamGroup,
+    g: ReduceUnit,
     params: list[ShardedParam],
     grads: list[torch.Tensor | None],
     offsets: list[int],
@@ -309,19 +339,19 @@ def _reduce_in_pieces(
     pieces = [[pp[r] for pp in per_param] for r in range(g.world)]
     outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
     nbytes = g.world * total * out.element_size()
-    with g.streams.use("reduce"):
+    with g.comm.streams.use("reduce"):
         handle = C.reduce_scatter_pieces(pieces, outputs, g.reduce_group, nbytes=nbytes, what=what)
     return handle, out, flats
 
 
-def lendable_output_nbytes(g: ParamGroup) -> int:
+def lendable_output_nbytes(g: ReduceUnit) -> int:
     """Bytes of the reduce-scatter output ``g``'s backward allocates (every parameter with a
     gradient) when that output becomes the gradient shards as it is, else 0: the memory the
-    pool may lend it ([Note: gradient memory lent for the next forward] in ``fullshard.pool``).
+    pool may lend it ([Note: gradient memory lent for the next forward] in ``fullshard.engine.pool``).
     """
     if (
         g.transport.local
-        or not g.requires_gradient_sync
+        or not g.overrides.requires_gradient_sync
         or g.world == 1
         or g.subgroups
         or g.offloaded
@@ -339,21 +369,21 @@ def lendable_output_nbytes(g: ParamGroup) -> int:
     return sum(sp.shard_numel for sp in grads) * dtype.itemsize
 
 
-def _output(g: ParamGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter output (it becomes the gradient shards): carved from the pool's
     open slab where there is one ([Note: gradient memory lent for the next forward] in
-    ``fullshard.pool``), else fresh."""
-    lendable = g.pool.filling_slab and lendable_output_nbytes(g)  # cheap test first
-    out = g.pool.grad_output(numel, dtype) if lendable else None
+    ``fullshard.engine.pool``), else fresh."""
+    lendable = g.comm.pool.filling_slab and lendable_output_nbytes(g)  # cheap test first
+    out = g.comm.pool.grad_output(numel, dtype) if lendable else None
     return out if out is not None else torch.empty(numel, dtype=dtype, device=g.device)
 
 
-def hand_out_local(g: ParamGroup, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
     """Local transport (one rank, unsharded parameters alias the shards): each gradient is
     its shard's gradient as it is (see [Note: a shard group of one rank] in
-    ``fullshard.group``); empties ``ready``."""
-    factor = g.gradient_divide_factor
-    if factor is None or g.force_sum_reduction:
+    ``fullshard.engine.group``); empties ``ready``."""
+    factor = g.overrides.gradient_divide_factor
+    if factor is None or g.overrides.force_sum_reduction:
         factor = 1.0  # the mean over one rank
     emit("reduce_issue", g.name, "local")
     with torch.no_grad():

@@ -168,7 +168,7 @@ class Handle:
         self._then = then  # runs once the collective has finished (e.g. a copy-out)
         self._context = context  # what to name in errors: kind, unit, group size
         # the issuing stream's work up to this collective, while a stream checker records
-        # ([Note: checking stream order on the CPU] in fullshard.streamcheck)
+        # ([Note: checking stream order on the CPU] in fullshard.engine.streamcheck)
         checker = active_checker() if work is not None else None
         self._done = checker.snapshot() if checker is not None else None
 
@@ -299,7 +299,7 @@ def _algorithm(
 ) -> str:
     """The call that implements ``kind`` on an ``nbytes`` buffer: ``requested`` unless it is
     ``"auto"``, which asks the backend plan (``plan``, else the group's default one; see
-    :meth:`fullshard.backend.BackendPlan.algorithm`). While torch's ``CommDebugMode``
+    :meth:`fullshard.engine.backend.BackendPlan.algorithm`). While torch's ``CommDebugMode``
     watches, the collective itself ([Note: collectives under torch's tools])."""
     known = ("auto", kind, "p2p", *(("all_reduce",) if kind == "reduce_scatter" else ()))
     if requested not in known:

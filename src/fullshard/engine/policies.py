@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from .backend import CPU_CHOICES
 from .compat import MP_HAS_PARAM_DTYPE_OVERRIDE
 
 __all__ = [
@@ -85,12 +86,12 @@ class CommPolicy:
 
     ``None`` leaves that collective as the mixed-precision policy says.
 
-    - ``transport``: how units move their bytes (see ``fullshard.transport``): ``"packed"``
+    - ``transport``: how units move their bytes (see ``fullshard.engine.transport``): ``"packed"``
       (one rank-major buffer per collective, what NCCL runs), ``"p2p"`` (point-to-point
       exchanges straight into / out of each parameter, no packed buffers) or ``"auto"`` (the
       faster for the backend: p2p pieces on gloo, packed on NCCL).
     - ``cpu_fast_paths_off``: CPU special cases to switch off, read from the root unit's policy
-      (names in ``fullshard.backend.CPU_CHOICES``: ``"pieces"``, ``"p2p_collectives"``,
+      (names in ``fullshard.engine.backend.CPU_CHOICES``: ``"pieces"``, ``"p2p_collectives"``,
       ``"small_unit_window"``, ``"buffer_pool"``, ``"grad_slabs"``; see [Note: the backend
       plan]). Results are the same with any of them off; only speed and memory change.
     """
@@ -102,8 +103,6 @@ class CommPolicy:
     cpu_fast_paths_off: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from .backend import CPU_CHOICES
-
         unknown = [c for c in self.cpu_fast_paths_off if c not in CPU_CHOICES]
         if unknown:
             raise ValueError(

@@ -27,7 +27,7 @@ so the saved views see the parameters again without any re-registration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,12 +36,50 @@ from . import collectives as C
 from .events import emit
 from .labels import label
 from .overrides import allocate
+from .param import ShardedParam
 from .quant import dequantize_int8, quantize_int8
+from .unit import CommUnit
 
-if TYPE_CHECKING:
-    from .group import ParamGroup
+__all__ = ["GatherUnit", "PendingGather", "finish_gather", "start_gather"]
 
-__all__ = ["PendingGather", "finish_gather", "start_gather"]
+
+class GatherUnit(CommUnit, Protocol):
+    """What the all-gather reads of a unit (``ParamGroup`` is one), beyond :class:`CommUnit`."""
+
+    # the kept copy of int ``reshard_after_forward`` (the gather consumes it)
+    post_forward_chunk: torch.Tensor | None
+
+    @property
+    def layout(self) -> list[ShardedParam]:
+        """The parameters of the unit's buffer, in [Note: packed layouts] order."""
+
+    @property
+    def offsets(self) -> list[int]:
+        """Each parameter's first element in the packed shard row."""
+
+    @property
+    def total(self) -> int:
+        """Elements of one rank's packed row."""
+
+    @property
+    def unsharded_buf(self) -> torch.Tensor | None:
+        """The unit's 1-D unsharded buffer (None: a local unit)."""
+
+    @property
+    def post_forward_group(self) -> dist.ProcessGroup | None: ...
+
+    def regions(self) -> list[torch.Tensor]:
+        """Per-parameter ``[world, shard_numel]`` views of ``unsharded_buf``."""
+
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def wire_gather_dtype(self) -> torch.dtype: ...
+
+    def reclaim_gathered(self) -> bool:
+        """Take back the unit's own freed memory if it still holds the current gather."""
+
+    def check_materialised(self) -> None:
+        """Raise, naming them, if parameters are still on the meta device."""
 
 
 @dataclass
@@ -53,15 +91,15 @@ class PendingGather:
     send: torch.Tensor | None  # what the collective reads (kept alive until waited on)
 
 
-def _allocate(g: ParamGroup, buf: torch.Tensor) -> None:
+def _allocate(g: GatherUnit, buf: torch.Tensor) -> None:
     """Give the (resized-to-0) unsharded buffer its storage back: recycled memory when the
-    pool has some ([Note: recycling unsharded buffers] in ``fullshard.pool``)."""
-    how = g.pool.take(buf.untyped_storage(), buf.numel() * buf.element_size())
+    pool has some ([Note: recycling unsharded buffers] in ``fullshard.engine.pool``)."""
+    how = g.comm.pool.take(buf.untyped_storage(), buf.numel() * buf.element_size())
     if how:
         emit("unshard_alloc", g.name, how)
 
 
-def _offload_event(g: ParamGroup) -> None:
+def _offload_event(g: GatherUnit) -> None:
     """Report the host-to-device copy of an offloaded unit's shards (none when they already
     live on the compute device: CPU offload on a CPU run moves nothing)."""
     if g.offloaded:
@@ -74,7 +112,7 @@ def _offload_event(g: ParamGroup) -> None:
             emit("h2d", g.name, nbytes=nbytes)
 
 
-def start_gather(g: ParamGroup) -> PendingGather:
+def start_gather(g: GatherUnit) -> PendingGather:
     """Issue the all-gather of ``g``'s parameters the way its transport says."""
     g.check_materialised()
     watched = C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
@@ -97,14 +135,14 @@ def start_gather(g: ParamGroup) -> PendingGather:
         return _gather_in_pieces(g) if in_pieces else _gather_packed(g)
 
 
-def _pack_shards(g: ParamGroup, inp: torch.Tensor) -> torch.Tensor:
+def _pack_shards(g: GatherUnit, inp: torch.Tensor) -> torch.Tensor:
     """Copy this rank's shards into ``inp`` (1-D, ``total`` elements; casts to its dtype)."""
     for sp, off in zip(g.layout, g.offsets):
         sp.copy_local_into(inp[off : off + sp.shard_numel])
     return inp
 
 
-def _gather_packed(g: ParamGroup) -> PendingGather:
+def _gather_packed(g: GatherUnit) -> PendingGather:
     what = f"unit {g.name!r}"
     wire = g.wire_gather_dtype()
     comm = g.overrides.all_gather  # custom AllGather: allocates the output, runs the gather
@@ -113,7 +151,7 @@ def _gather_packed(g: ParamGroup) -> PendingGather:
         group = g.post_forward_group
         assert group is not None
         out = allocate(comm, inp.numel() * dist.get_world_size(group), inp.dtype, g.device)
-    elif wire == torch.int8:  # quantise a packed fp32 copy (see fullshard.quant)
+    elif wire == torch.int8:  # quantise a packed fp32 copy (see fullshard.engine.quant)
         group = g.info.shard_group
         full = torch.empty(g.total, dtype=torch.float32, device=g.device)
         inp = quantize_int8(_pack_shards(g, full), g.comm_policy.block_size)
@@ -122,21 +160,21 @@ def _gather_packed(g: ParamGroup) -> PendingGather:
     else:  # in place: this rank's slot of the output is the input (no extra copy)
         group = g.info.shard_group
         out = allocate(comm, g.world * g.total, wire, g.device)
-        with g.streams.use("gather"):  # offload: the H2D copy-in runs on the side stream
+        with g.comm.streams.use("gather"):  # offload: the H2D copy-in runs on the side stream
             inp = _pack_shards(g, out.view(g.world, g.total)[g.info.shard_rank])
-    with g.streams.use("gather"):
-        handle = C.all_gather(out, inp, group, what=what, comm=comm, plan=g.plan)
+    with g.comm.streams.use("gather"):
+        handle = C.all_gather(out, inp, group, what=what, comm=comm, plan=g.comm.plan)
     return PendingGather(handle, out, inp)
 
 
-def _gather_in_pieces(g: ParamGroup) -> PendingGather:
+def _gather_in_pieces(g: GatherUnit) -> PendingGather:
     """All-gather straight into the unsharded buffer (see [Note: gathering in pieces])."""
     buf = g.unsharded_buf
     assert buf is not None
     me = g.info.shard_rank
     _allocate(g, buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
     regions = g.regions()
-    with g.streams.use("gather"):
+    with g.comm.streams.use("gather"):
         for sp, region in zip(g.layout, regions):
             sp.copy_local_into(region[me])
         pieces = [
@@ -149,19 +187,19 @@ def _gather_in_pieces(g: ParamGroup) -> PendingGather:
     return PendingGather(handle, None, None)
 
 
-def _decode(g: ParamGroup, out: torch.Tensor) -> torch.Tensor:
+def _decode(g: GatherUnit, out: torch.Tensor) -> torch.Tensor:
     """The gathered ``[world, total]`` rows in compute dtype (dequantised if needed)."""
     dtype = g.compute_dtype()
     if out.dtype == dtype:
         return out.view(g.world, g.total)
-    if out.dtype == torch.uint8:  # int8 wire format, see fullshard.quant
+    if out.dtype == torch.uint8:  # int8 wire format, see fullshard.engine.quant
         rows = torch.empty(g.world, g.total, dtype=dtype, device=g.device)
         dequantize_int8(out.view(g.world, -1), g.total, g.comm_policy.block_size, rows)
         return rows
     return out.view(g.world, g.total).to(dtype)
 
 
-def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
+def finish_gather(g: GatherUnit, pending: PendingGather) -> None:
     """Wait for ``pending`` and make sure the unsharded buffer holds the parameters."""
     pending.handle.wait()
     emit("gather_wait", g.name)
@@ -171,7 +209,7 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
         _copy_out(g)
         return
     # Refilling the buffer bumps no parameter's version counter (each has its own: [Note: one
-    # version counter per unsharded parameter] in fullshard.group), as the saved views hold
+    # version counter per unsharded parameter] in fullshard.engine.group), as the saved views hold
     # the values they had when saved ([Note: why storage is resized, not freed]).
     with torch.no_grad():
         _allocate(g, buf)
@@ -180,7 +218,7 @@ def finish_gather(g: ParamGroup, pending: PendingGather) -> None:
     _copy_out(g)
 
 
-def _copy_out(g: ParamGroup) -> None:
+def _copy_out(g: GatherUnit) -> None:
     """Placements whose unsharded form is not a view of the buffer copy themselves out."""
     with torch.no_grad(), label("all_gather_copy_out", g.name):
         for sp, region in zip(g.layout, g.regions()):

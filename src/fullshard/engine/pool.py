@@ -2,7 +2,7 @@
 
 [Note: recycling unsharded buffers]
 A unit frees its unsharded buffer by resizing the storage to 0 bytes (see [Note: why storage
-is resized, not freed] in ``fullshard.gather``) and gets it back by resizing again. On the
+is resized, not freed] in ``fullshard.engine.gather``) and gets it back by resizing again. On the
 GPU the caching allocator hands the same block to the next unit's gather. On the CPU every
 resize is a fresh ``malloc``: for buffers above glibc's mmap threshold (always, with the
 benchmarks' ``MALLOC_MMAP_THRESHOLD_=65536``; and for any large buffer once the heap is
@@ -101,7 +101,7 @@ class BufferContent:
     parameter's DTensor and local tensor) at these version counters ([Note: taking back a
     unit's own gathered memory])."""
 
-    group: object  # the ParamGroup (fullshard.group imports this module)
+    group: object  # the ParamGroup (fullshard.engine.group imports this module)
     shards: tuple[torch.Tensor, ...]
     versions: tuple[int, ...]
 
@@ -111,7 +111,7 @@ class HostBufferPool:
 
     def __init__(self, device: torch.device, plan: BackendPlan, capacity: int = 3) -> None:
         # CUDA has its caching allocator: the plan recycles on the CPU only ([Note: the
-        # backend plan] in fullshard.backend)
+        # backend plan] in fullshard.engine.backend)
         self.enabled = plan.buffer_pool
         self.capacity = capacity
         self.device = device

@@ -16,7 +16,7 @@ so it sees everything queued before it. Rules that keep peak memory deterministi
   optimizer can read the host gradients.
 
 On the CPU there are no streams: every method runs its body directly, so the same code path
-runs in CI on every commit; under ``fullshard.streamcheck.check_streams`` the same calls run on
+runs in CI on every commit; under ``fullshard.engine.streamcheck.check_streams`` the same calls run on
 logical streams and the rules above are checked ([Note: checking stream order on the CPU]).
 """
 
@@ -39,7 +39,7 @@ class CommStreams:
 
     def __init__(self, device: torch.device, plan: BackendPlan) -> None:
         self.device = device
-        self.enabled = plan.streams  # CUDA ([Note: the backend plan] in fullshard.backend)
+        self.enabled = plan.streams  # CUDA ([Note: the backend plan] in fullshard.engine.backend)
         self._streams: dict[str, Any] = {}
         if self.enabled:
             for name in ("gather", "reduce", "offload"):
@@ -50,7 +50,7 @@ class CommStreams:
     def use(self, name: str) -> Iterator[None]:
         """Run the block on side stream ``name`` after it waits for the current stream (on
         the CPU: on a logical stream while a stream checker records, see
-        [Note: checking stream order on the CPU] in fullshard.streamcheck)."""
+        [Note: checking stream order on the CPU] in fullshard.engine.streamcheck)."""
         if self.enabled:
             stream = self._streams[name]
             self._side_waits_current(stream)

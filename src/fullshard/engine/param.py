@@ -10,7 +10,7 @@ tail to ``c`` rows (``shard_numel`` elements), which makes a parameter's unshard
 view of a padded ``[world * c, ...]`` region.
 
 The unsharded form is an ``nn.Parameter`` view into its unit's packed unsharded buffer; the
-unit (:class:`fullshard.group.ParamGroup`) owns that buffer and swaps which form the modules
+unit (:class:`fullshard.engine.group.ParamGroup`) owns that buffer and swaps which form the modules
 see. This object carries no communication logic.
 
 [Note: the placement lives here]
@@ -19,8 +19,8 @@ this class: the padded per-rank size (``shard_numel``), each rank's unpadded pie
 (:meth:`rank_numel`), writing this rank's shard into a communication slot
 (:meth:`copy_local_into`), reading the unsharded parameter out of its gathered region
 (:meth:`unsharded_view`) and cutting an unsharded gradient into per-rank pieces
-(:meth:`grad_pieces`, :meth:`pack_grad`). The gather and reduce code (``fullshard.gather``,
-``fullshard.reduce``) only moves those pieces, so another placement (``Shard(d)``, a
+(:meth:`grad_pieces`, :meth:`pack_grad`). The gather and reduce code (``fullshard.engine.gather``,
+``fullshard.engine.reduce``) only moves those pieces, so another placement (``Shard(d)``, a
 tensor-parallel DTensor, a tensor owned by one rank) is a change to this class alone.
 ``Shard(d > 0)`` (``shard_placement_fn``) splits dim ``d`` the same way; its unsharded form
 is not a view of the gathered region, so it is a separate tensor that :meth:`copy_out` fills
@@ -154,7 +154,7 @@ class ShardedParam:
     def requires_grad(self) -> bool:
         """Whether the parameter is trainable: the registered sharded parameter's flag, which
         users set (``requires_grad_``) before or after ``fully_shard``; see [Note: requires_grad
-        set after fully_shard] in ``fullshard.group``."""
+        set after fully_shard] in ``fullshard.engine.group``."""
         return self.sharded_param.requires_grad
 
     def _shape_with(self, rows: int) -> torch.Size:
@@ -402,10 +402,10 @@ class ShardedParam:
     # no_grad, nn.Embedding's max_norm) would bump them all, and autograd would then refuse
     # the backward of every other parameter of the unit saved before the write ("modified by
     # an inplace operation"), where FSDP2, whose unsharded parameters are separate tensors,
-    # runs. So each is made from its view's ``.data`` (``fullshard.group`` passes it): the
+    # runs. So each is made from its view's ``.data`` (``fullshard.engine.group`` passes it): the
     # same memory, its own counter. A write into one bumps only its own, which is also how a
     # unit tells that its pooled memory no longer holds its gather ([Note: taking back a
-    # unit's own gathered memory] in fullshard.pool).
+    # unit's own gathered memory] in fullshard.engine.pool).
     def make_unsharded(
         self, data: torch.Tensor, on_grad_accumulated: Callable[[ShardedParam], None]
     ) -> None:

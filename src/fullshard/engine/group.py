@@ -1,12 +1,12 @@
 """ParamGroup: one communication unit — its layout, its knobs and its sharded-state machine.
 
-The verbs of the machine (see [Note: sharded state] in ``fullshard.state``) are methods:
+The verbs of the machine (see [Note: sharded state] in ``fullshard.engine.state``) are methods:
 :meth:`unshard` (issue the all-gather), :meth:`wait_for_unshard` (finish it and register the
 unsharded parameters), :meth:`reshard` (free them), :meth:`reshard_partial` (keep a copy
 sharded over ``k`` ranks) and :meth:`reduce_grads` (collect and reduce-scatter gradients).
-How bytes move is the unit's :class:`~fullshard.transport.Transport`, chosen once at lazy init;
-the code that moves them lives in ``fullshard.gather`` and ``fullshard.reduce``; what depends
-on the placement lives in :class:`~fullshard.param.ShardedParam`.
+How bytes move is the unit's :class:`~fullshard.engine.transport.Transport`, chosen once at lazy init;
+the code that moves them lives in ``fullshard.engine.gather`` and ``fullshard.engine.reduce``; what depends
+on the placement lives in :class:`~fullshard.engine.param.ShardedParam`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .backend import BackendPlan
+from .comm import CommContext
 from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from .events import emit
 from .extension import ExtensionGather, has_extension
@@ -27,22 +27,13 @@ from .overrides import CommOverrides
 from .param import ShardedParam
 from .partition import mesh_name, ranks_of, split_by_dtype, split_by_mesh
 from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
-from .pool import BufferContent, HostBufferPool
+from .pool import BufferContent
 from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
 from .state import ShardedState, transition
 from .streamcheck import freed
-from .streams import CommStreams
 from .transport import Transport, select_transport
 
 __all__ = ["ParamGroup"]
-
-# Gradient knobs (FSDPModule.set_*) a child group takes from its unit's group.
-_SHARED_KNOBS = (
-    "requires_gradient_sync",
-    "requires_all_reduce",
-    "gradient_divide_factor",
-    "force_sum_reduction",
-)
 
 
 class ParamGroup:
@@ -62,10 +53,10 @@ class ParamGroup:
     ) -> None:
         self.params = params  # every parameter of the unit (what init, api and checkpoints see)
         # The parameters in this group's own buffer; parameters of other dtypes (frozen) live
-        # in ``subgroups``, one per dtype ([Note: one buffer per dtype] in fullshard.partition). Set by init_layout.
+        # in ``subgroups``, one per dtype ([Note: one buffer per dtype] in fullshard.engine.partition). Set by init_layout.
         self.layout: list[ShardedParam] = params
         self.subgroups: list[ParamGroup] = []
-        # Parameters whose shards define FSDP2's all-gather extension (fullshard.extension).
+        # Parameters whose shards define FSDP2's all-gather extension (fullshard.engine.extension).
         self.extended: ExtensionGather | None = None
         self.info = info
         self.device = device  # where unsharded parameters live and compute happens
@@ -75,38 +66,34 @@ class ParamGroup:
         self.pin_memory = pin_memory
         self.name = name  # the unit's module FQN, for messages
         self.state = ShardedState.SHARDED
-        # Chosen at lazy init (init_layout, see fullshard.transport); streams are shared by the
-        # root's units.
+        # Chosen at lazy init (init_layout, see fullshard.engine.transport).
         self.transport = Transport(self.comm_policy.transport, False, False)
-        # The root's backend plan ([Note: the backend plan] in fullshard.backend), set at lazy
-        # init; until then the device's default one.
-        self.plan = BackendPlan.choose(device.type, "")
-        self.streams = CommStreams(torch.device("cpu"), BackendPlan.choose("cpu", ""))
-        # Freed unsharded buffers kept for the next gather: the root context's (shared by its
-        # units, set at lazy init); until then one that keeps nothing.
-        self.pool = HostBufferPool(device, self.plan, capacity=0)
-        # Knobs (set_* methods of FSDPModule).
+        # The root's plan, streams and pool, shared by reference (fullshard.engine.comm); bound
+        # at lazy init.
+        self.comm = CommContext.unbound(device)
+        # Knobs (set_* methods of FSDPModule); the gradient ones live in ``overrides``, which
+        # child groups share.
         self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
         self.unshard_in_backward = True  # False: backward needs no parameter (e.g. embedding)
         # set_keep_unsharded_storage: resharding keeps the buffer's memory (and so its
         # address) and only registers the sharded parameters again
         self.keep_unsharded_storage = False
-        self.overrides = CommOverrides()  # custom comms, hook, reduce knobs (fullshard.overrides)
+        self.overrides = (
+            CommOverrides()
+        )  # custom comms, hook, reduce knobs (fullshard.engine.overrides)
         self.partial = PartialReduce()  # HSDP accumulation without the all-reduce
         # Post-forward partial reshard (reshard_after_forward=int): kept chunk and its group.
         self.post_forward_group: dist.ProcessGroup | None = None
         self.post_forward_index = 0  # this rank's index within post_forward_group
         self.post_forward_chunk: torch.Tensor | None = None  # 1D [world/k * total]
-        self._gather: PendingGather | None = None  # the all-gather in flight
+        self._gather: PendingGather | None = None  # in flight: UNSHARDING's own (see _to)
         self.unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
         # the unsharded parameters' version counters when the gather finished
         self._gathered_versions: tuple[int, ...] = ()
-        self._grads_seen = 0
-        self._grads_expected = 0  # trainable parameters (set by init_layout)
+        # ids of the parameters whose gradient arrived in this backward, and how many are
+        # trainable (set by init_layout): post-backward fires when all of them have
+        self._grads_arrived: set[int] = set()
+        self._grads_expected = 0
         # the unit's post-accumulate-grad callback (set by init_layout)
         self._on_grad_accumulated: Callable[[ShardedParam], None] | None = None
         # (id, dtype) of the params the layout was built for
@@ -178,10 +165,6 @@ class ParamGroup:
             for sub in by_mesh
         ]
         for child in self.subgroups:
-            child.plan = self.plan
-            child.streams = self.streams
-            child.pool = self.pool
-            child.overrides = self.overrides
             child.init_layout(on_grad_accumulated)
         self.offsets = []
         off = 0
@@ -192,12 +175,12 @@ class ParamGroup:
         dtype = self.compute_dtype()
         self.transport = select_transport(
             self.comm_policy.transport,
-            self.plan.backend,
-            self.plan.device_type,
+            self.comm.plan.backend,
+            self.comm.plan.device_type,
             self.world,
             self.world * self.total * dtype.itemsize,
             aliasable=self._aliasable(),
-            plan=self.plan,
+            plan=self.comm.plan,
         )
         if self.transport.local:  # [Note: a shard group of one rank]
             self.unsharded_buf, self._regions = None, []
@@ -224,7 +207,7 @@ class ParamGroup:
         name: str,
         mp_policy: MixedPrecisionPolicy | None = None,
     ) -> ParamGroup:
-        return ParamGroup(
+        child = ParamGroup(
             params,
             info,
             self.device,
@@ -234,6 +217,15 @@ class ParamGroup:
             offloaded=self.offloaded,
             pin_memory=self.pin_memory,
         )
+        child.comm = self.comm  # shared, never copied: what the unit has, its children have
+        child.overrides = self.overrides
+        return child
+
+    def bind(self, comm: CommContext) -> None:
+        """Share ``comm`` (the root's, at lazy init) with this group and its children."""
+        self.comm = comm
+        for child in self.subgroups:
+            child.bind(comm)
 
     def _aliasable(self) -> bool:
         """Whether this unit's unsharded parameters can be its shards themselves.
@@ -250,7 +242,7 @@ class ParamGroup:
         the plain alias (users and optimizers see ``DTensor`` parameters, the module computes
         on plain tensors). The gradient autograd accumulates on the alias becomes the sharded
         gradient as it is (divided by ``gradient_divide_factor`` if one is set): no packing,
-        no collective, no copy (``fullshard.reduce.hand_out_local``). A shard replaced after
+        no collective, no copy (``fullshard.engine.reduce.hand_out_local``). A shard replaced after
         lazy init (``to_empty``, a ``swap_tensors`` conversion) is re-aliased on the next
         unshard. The memory planner models the same choice (``select_transport``).
         """
@@ -308,7 +300,7 @@ class ParamGroup:
     def _release(self, recycle: bool = False, lend: bool = False) -> None:
         """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes; with
         ``recycle``, its memory goes to the pool for the next gather ([Note: recycling
-        unsharded buffers] in ``fullshard.pool``); with ``lend``, it becomes the slab for the
+        unsharded buffers] in ``fullshard.engine.pool``); with ``lend``, it becomes the slab for the
         next reduce-scatter outputs ([Note: gradient memory lent for the next forward])."""
         if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
             return
@@ -320,9 +312,9 @@ class ParamGroup:
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
             if recycle:
-                self.pool.put(storage, self._content())
+                self.comm.pool.put(storage, self._content())
             elif lend and storage.nbytes() == self.unsharded_nbytes():
-                self.pool.start_slab(storage, storage.nbytes())
+                self.comm.pool.start_slab(storage, storage.nbytes())
             else:
                 freed(storage, f"unit {self.name!r}'s unsharded buffer")
                 storage.resize_(0)
@@ -373,7 +365,7 @@ class ParamGroup:
         buf = self.unsharded_buf
         if buf is None:
             return False
-        return self.pool.reclaim(
+        return self.comm.pool.reclaim(
             buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current
         )
 
@@ -388,24 +380,28 @@ class ParamGroup:
             )
 
     # ---------------------------------------------------------------------------- unshard
-    def _to(self, new: ShardedState) -> None:
+    def _to(self, new: ShardedState, gather: PendingGather | None = None) -> None:
+        """Move to ``new``. The all-gather in flight belongs to the UNSHARDING state: set on
+        entering it (None: nothing to wait for, a local unit or one with no buffer of its
+        own), dropped on leaving it, so no gather is ever held outside UNSHARDING."""
         self.state = transition(self.name, self.state, new)
+        self._gather = gather
 
     @labelled("all_gather")
     def unshard(self) -> None:
         """Issue the all-gather of this unit's parameters (no-op if unsharded or in flight)."""
         if not self.params or self.state in (ShardedState.UNSHARDED, ShardedState.UNSHARDING):
             return
+        gather = None
         if self.transport.local:
             self._realias()
-            self._gather = None
-        else:
-            self._gather = start_gather(self) if self.layout else None
+        elif self.layout:
+            gather = start_gather(self)
         if self.extended is not None:
             self.extended.start(self)
         for child in self.subgroups:
             child.unshard()
-        self._to(ShardedState.UNSHARDING)
+        self._to(ShardedState.UNSHARDING, gather)
 
     def _realias(self) -> None:
         """Local transport: point the unsharded parameters at the current shards (a shard
@@ -425,7 +421,7 @@ class ParamGroup:
         if not self.params or self.state is ShardedState.UNSHARDED:
             return
         self.unshard()
-        pending, self._gather = self._gather, None
+        pending, self._gather = self._gather, None  # consumed, even if finishing it raises
         if pending is not None:
             finish_gather(self, pending)
         if self.extended is not None:
@@ -443,12 +439,11 @@ class ParamGroup:
         """Free the unsharded parameters (and any kept copy); register the sharded ones.
 
         ``recycle``: the engine's own reshards in forward and backward keep the memory for the
-        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.pool``);
+        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.engine.pool``);
         ``lend``: see :meth:`_release`."""
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             if self._gather is not None:
-                self._gather.handle.wait()
-            self._gather = None
+                self._gather.handle.wait()  # dropped with the state (below)
             if self.extended is not None:
                 self.extended.wait_dropped()
         self.post_forward_chunk = None
@@ -473,7 +468,7 @@ class ParamGroup:
             return
         for child in self.subgroups:
             if ranks_of(child.info) != ranks_of(self.info):  # another mesh: its own ranks
-                child.reshard()  # ([Note: one group per mesh] in fullshard.partition)
+                child.reshard()  # ([Note: one group per mesh] in fullshard.engine.partition)
                 continue
             child.post_forward_group = self.post_forward_group
             child.post_forward_index = self.post_forward_index
@@ -512,15 +507,18 @@ class ParamGroup:
         if changed:
             self._grads_expected = sum(1 for sp in self.params if sp.requires_grad)
 
-    def on_grad_accumulated(self) -> bool:
-        """Count a parameter whose gradient is ready; True when the whole unit is ready.
+    def on_grad_accumulated(self, sp: ShardedParam) -> bool:
+        """Note that ``sp``'s gradient is ready; True when that completes the unit (each
+        parameter counts once per backward, however often its hook fires).
 
         Never True with ``reduce_scatter_unused_params``: see [Note: unused parameters].
         """
-        self._grads_seen += 1
+        if id(sp) in self._grads_arrived:
+            return False
+        self._grads_arrived.add(id(sp))
         if self.overrides.reduce_scatter_unused_params:
             return False
-        return self._grads_seen == self._grads_expected
+        return len(self._grads_arrived) == self._grads_expected
 
     @labelled("reduce_scatter")
     def reduce_grads(self, recycle: bool = False, slab: int = 0) -> list[PendingReduce]:
@@ -533,9 +531,6 @@ class ParamGroup:
         accumulate unsharded in reduce dtype.
         """
         groups = [self, *self.subgroups]
-        for child in self.subgroups:
-            for knob in _SHARED_KNOBS:
-                setattr(child, knob, getattr(self, knob))
         ready = [(g, collect_grads(g)) for g in groups]
         if not ready[0][1]:  # nothing to reduce (gradient sync off, no gradients): no slab
             slab = 0
@@ -545,7 +540,7 @@ class ParamGroup:
         if self.reshard_after_backward:
             self.reshard(recycle, lend)
         if slab and not lend:
-            self.pool.start_slab(None, slab)
+            self.comm.pool.start_slab(None, slab)
         pending = []
         for g, grads in ready:
             if not grads:
@@ -573,7 +568,7 @@ class ParamGroup:
         and HSDP partial sums); sharded gradients already handed out stay.
         """
         self.reshard()  # waits for an all-gather in flight
-        self._grads_seen = 0
+        self._grads_arrived = set()
         self.partial = PartialReduce()
         for child in self.subgroups:
             child.partial = PartialReduce()
@@ -584,6 +579,6 @@ class ParamGroup:
 
     def finish_backward(self) -> None:
         """End of backward: drop per-backward counters; free anything still gathered."""
-        self._grads_seen = 0
+        self._grads_arrived = set()
         if self.reshard_after_backward or self.state is ShardedState.SHARDED_POST_FORWARD:
             self.reshard()

@@ -2,8 +2,9 @@
 
 One training step as the hooks see it (docs/design.md has the whole picture):
 
-- root pre-forward (first call): lazy init (``fullshard.init``) creates the
-  :class:`~fullshard.context.StepContext` the units share;
+- root pre-forward (first call): lazy init (:meth:`FSDPState.lazy_init`, its steps in
+  ``fullshard.engine.init``) creates the :class:`~fullshard.engine.context.StepContext` the
+  units share;
 - unit pre-forward: finish this unit's all-gather, start the next unit's (prefetch: the order
   recorded in the previous forward, or ``set_modules_to_forward_prefetch``);
 - unit post-forward: reshard (per ``reshard_after_forward``) and hook the outputs so the unit's
@@ -24,9 +25,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .backend import BackendPlan
 from .context import StepContext
 from .events import emit
 from .group import ParamGroup
+from .init import assign_shared_params, check_reshard_after_forward, name_units
 from .labels import labelled
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
@@ -78,16 +81,18 @@ class FSDPState:
         self.reshard_policy: bool | int = True  # resolved at lazy init
         self.mp_policy = mp_policy
         self._training_state = TrainingState.IDLE
-        self.ctx: StepContext | None = None  # set by lazy init
+        self.ctx: StepContext[FSDPState] | None = None  # set by lazy init
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True  # read on the root (set_is_last_backward)
-        # read on the root ([Note: manual backward finalization] in fullshard.finalize)
+        # read on the root ([Note: manual backward finalization] in fullshard.engine.finalize)
         self.manual_backward_finalization = False
         self.shared_streams: CommStreams | None = None  # root: from share_comm_ctx
         # the next unit out, as fully_shard was applied bottom-up (see outermost)
         self.enclosing: weakref.ref[FSDPState] | None = None
-        self._post_forward_calls = 0
+        # ids of the unit's modules whose forward has not finished in this forward: the unit's
+        # post-forward runs when the last one's does (a unit of several modules)
+        self._forward_pending: set[int] = set()
 
     @property
     def name(self) -> str:
@@ -99,7 +104,7 @@ class FSDPState:
 
     @property
     def training_state(self) -> TrainingState:
-        """Where the unit is in the step ([Note: training state] in fullshard.state)."""
+        """Where the unit is in the step ([Note: training state] in fullshard.engine.state)."""
         return self._training_state
 
     @training_state.setter
@@ -119,13 +124,59 @@ class FSDPState:
         """States of every FSDP unit in this unit's module subtree (this one first)."""
         return states_under(self.modules)
 
-    def _context(self) -> StepContext:
-        if self.ctx is None:
-            from .init import lazy_init  # init imports this module
+    def _context(self) -> StepContext[FSDPState]:
+        return self.ctx or self.lazy_init()
 
-            lazy_init(self)
-        assert self.ctx is not None
-        return self.ctx
+    def reset_forward(self) -> None:
+        """Forget a forward that did not finish (``reset_iter_state``)."""
+        self._forward_pending = set()
+
+    # ------------------------------------------------------------------------- lazy init
+    def lazy_init(self) -> StepContext[FSDPState]:
+        """Make this unit the root of every unit below it (``fullshard.engine.init`` has the
+        steps): name units and parameters, settle tied parameters, create the context every
+        unit shares, build each unit's layout and resolve its ``reshard_after_forward``."""
+        states = self.subtree_states()
+        for st in states[1:]:
+            if st.manual_backward_finalization:
+                raise RuntimeError(
+                    f"set_manual_backward_finalization was called on the unit {st.name!r}, "
+                    f"which is not the root: call it on the module fully_shard was applied "
+                    f"to last"
+                )
+        units = [(st.modules, st.group) for st in states]
+        name_units(self.modules, units)
+        group = self.group
+        plan = BackendPlan.for_group(
+            group.info.shard_group, group.device, group.comm_policy.cpu_fast_paths_off
+        )
+        # share_comm_ctx: one set of streams for several roots
+        ctx = StepContext(self, states, group.device, plan, self.shared_streams)
+        assign_shared_params(units)
+        for st in states:
+            st.ctx = ctx
+            st.group.bind(ctx.comm)
+            st.group.init_layout(st.on_grad_accumulated)
+            st.resolve_reshard()
+        return ctx
+
+    def resolve_reshard(self) -> None:
+        """Turn ``reshard_after_forward`` into ``True`` / ``False`` / a subgroup (int k)."""
+        value = self.reshard_after_forward
+        if value is None:
+            value = not self.is_root
+        group = self.group
+        world = group.world
+        check_reshard_after_forward(value, world)
+        if not isinstance(value, bool) and isinstance(value, int):
+            if value in (1, world):
+                value = value == world
+            else:
+                pg, index = self._context().post_forward_subgroup(group.info, value)
+                group.post_forward_group, group.post_forward_index = pg, index
+        if isinstance(value, bool):
+            group.post_forward_group = None
+        self.reshard_policy = value
 
     # --------------------------------------------------------------------------- forward
     # [Note: hooks under torch.compile]
@@ -161,13 +212,15 @@ class FSDPState:
         if self.is_root and self.training_state is TrainingState.IDLE:
             ctx.begin_forward()
         self.training_state = TrainingState.FORWARD
-        ctx.record_forward(self)
+        if not self._forward_pending:  # the first of the unit's modules to run
+            self._forward_pending = {id(m) for m in self.modules}
+        ctx.order.record_forward(self)
         self.group.sync_requires_grad()  # [Note: requires_grad set after fully_shard]
         # Issue this unit's gather (unless prefetched) and the next one's before waiting, so
         # the next gather's bytes move while this one's are waited on and computed with.
         self.group.unshard()
         targets = self.forward_prefetch
-        for nxt in ctx.forward_window(self) if targets is None else targets:
+        for nxt in ctx.order.forward_window(self) if targets is None else targets:
             nxt.group.unshard()
         self.group.wait_for_unshard()
         emit("forward_start", self.name)
@@ -183,9 +236,9 @@ class FSDPState:
         emit("forward_end", self.name)
         if torch._C._are_functorch_transforms_active():
             with torch._C._DisableFuncTorch():
-                self._reshard_after_forward()
+                self._reshard_after_forward(module)
         else:
-            self._reshard_after_forward()
+            self._reshard_after_forward(module)
         if torch.is_grad_enabled() and not self.group.transport.local:
             tensors, _ = tree_flatten(output)
             for t in tensors:
@@ -193,21 +246,20 @@ class FSDPState:
                     t.register_hook(self._pre_backward_hook)
         return _cast_floats(output, self.mp_policy.output_dtype)
 
-    def _reshard_after_forward(self) -> None:
+    def _reshard_after_forward(self, module: nn.Module) -> None:
         ctx = self._context()
-        self._post_forward_calls += 1
-        # A local unit ([Note: a shard group of one rank] in fullshard.group) frees nothing by
+        self._forward_pending.discard(id(module))
+        # A local unit ([Note: a shard group of one rank] in fullshard.engine.group) frees nothing by
         # resharding: it stays unsharded until its backward is done (as reshard_after_forward
         # False), and needs no pre-backward hook (nothing to gather; its parameters'
         # post-accumulate-grad hooks queue the end-of-backward callback).
         local = self.group.transport.local
-        if self._post_forward_calls >= len(self.modules):
-            self._post_forward_calls = 0
-            ctx.record_post_forward(self)
+        if not self._forward_pending:  # the unit's last module finished
+            ctx.order.record_post_forward(self)
             if not torch.is_grad_enabled():
                 self.group.reshard()  # no backward will come for this forward
                 if self.is_root:  # nor a gather soon ([Note: recycling unsharded buffers])
-                    ctx.pool.clear()
+                    ctx.comm.pool.clear()
             elif self.reshard_policy is True and not local:
                 self.group.reshard(recycle=self._recycles_in_forward(ctx))
             elif self.reshard_policy is not False and not local:
@@ -231,7 +283,7 @@ class FSDPState:
         if self.group.unshard_in_backward:
             self.group.unshard()  # issued before the prefetch, waited on after (as forward)
         targets = self.backward_prefetch
-        for prev in ctx.backward_window(self) if targets is None else targets:
+        for prev in ctx.order.backward_window(self) if targets is None else targets:
             if prev.training_state is not TrainingState.POST_BACKWARD:
                 if prev.group.unshard_in_backward:
                     prev.group.unshard()
@@ -240,7 +292,7 @@ class FSDPState:
 
     def on_grad_accumulated(self, sp: ShardedParam) -> None:
         """Post-accumulate-grad hook of each parameter: the last one triggers post-backward."""
-        if self.group.on_grad_accumulated():
+        if self.group.on_grad_accumulated(sp):
             self.post_backward()
 
     @labelled("post_backward")
@@ -260,27 +312,27 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
 
     # --------------------------------------------------------------------------- helpers
-    # [Note: recycling unsharded buffers] (fullshard.pool): a freed buffer is kept only where
+    # [Note: recycling unsharded buffers] (fullshard.engine.pool): a freed buffer is kept only where
     # a gather will come to take it, so the pool never holds memory nobody reuses.
-    def _recycles_in_forward(self, ctx: StepContext) -> bool:
+    def _recycles_in_forward(self, ctx: StepContext[FSDPState]) -> bool:
         """Keep this unit's memory after its forward: the unit two on (the next one's prefetch)
         gathers the same bytes, or backward's first gathers are this unit's own (the root,
         the last unit and the one before it, the last unit's backward prefetch)."""
-        nxt = ctx.next_in_forward(self)
-        after = [a for n in nxt for a in ctx.next_in_forward(n)]
+        nxt = ctx.order.next_in_forward(self)
+        after = [a for n in nxt for a in ctx.order.next_in_forward(n)]
         if self.is_root or not after:
             return True
         nbytes = self.group.unsharded_nbytes()
         return any(a.group.unsharded_nbytes() == nbytes for a in after)
 
-    def _recycles_in_backward(self, ctx: StepContext) -> bool:
+    def _recycles_in_backward(self, ctx: StepContext[FSDPState]) -> bool:
         """Keep this unit's memory after its backward: the unit the next one prefetches has
         not been gathered for this backward yet."""
         return any(
             after.training_state is not TrainingState.POST_BACKWARD
             and after.group.state is ShardedState.SHARDED
-            for nxt in ctx.next_in_backward(self)
-            for after in ctx.next_in_backward(nxt)
+            for nxt in ctx.order.next_in_backward(self)
+            for after in ctx.order.next_in_backward(nxt)
         )
 
     def reshard_if_idle(self) -> None:

@@ -6,7 +6,7 @@ Two ways to move a unit's bytes, with the same results:
 - ``packed``: one rank-major buffer per collective. The all-gather gathers in place (this rank's
   slot of the output is the input), then each parameter is copied out; gradients are packed
   into one reduce-scatter input. This is what NCCL runs, and what a low-precision wire dtype
-  and int ``reshard_after_forward`` need (see ``fullshard.gather``).
+  and int ``reshard_after_forward`` need (see ``fullshard.engine.gather``).
 - ``p2p`` ("in pieces"): point-to-point exchanges that receive each peer's shard of each
   parameter straight into the unsharded buffer and send each gradient piece straight from the
   gradient — no packed buffer, no copies. On gloo it is 2-3x faster than gloo's collectives
@@ -15,7 +15,7 @@ Two ways to move a unit's bytes, with the same results:
 
 A unit whose shard group is one rank (and whose gathered and stored forms agree: same dtype,
 no offload, no replicas, no wire dtype) moves nothing at all: its transport is ``local``
-(see [Note: a shard group of one rank] in ``fullshard.group``).
+(see [Note: a shard group of one rank] in ``fullshard.engine.group``).
 
 ``auto`` keeps what measured best: on gloo (CPU tensors), for units of at least
 ``backend.P2P_MIN_BYTES`` (512 KiB unsharded; below it a message's round trip costs more
