@@ -1,6 +1,6 @@
 """StepContext: what the root coordinates across its units during one training step.
 
-Created by lazy init (``U.lazy_init`` in ``fullshard.engine.hooks``) on the root's
+Created by lazy init (``FSDPState.lazy_init`` in ``fullshard.engine.hooks``) on the root's
 first forward and shared by every unit below it. It holds:
 
 - ``order``, the step's orders and prefetch windows (:class:`~fullshard.engine.order.StepOrder`);
@@ -15,7 +15,7 @@ first forward and shared by every unit below it. It holds:
 - the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per ``k``).
 
 The context is generic over its units, and reads of them only what :class:`StepUnit` names
-(``fullshard.engine.hooks.U`` is the one kind): the unit hooks import the context,
+(``fullshard.engine.hooks.FSDPState`` is the one kind): the unit hooks import the context,
 never the other way round.
 """
 

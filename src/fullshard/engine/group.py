@@ -53,7 +53,8 @@ class ParamGroup:
     ) -> None:
         self.params = params  # every parameter of the unit (what init, api and checkpoints see)
         # The parameters in this group's own buffer; parameters of other dtypes (frozen) live
-        # in ``subgroups``, one per dtype ([Note: one buffer per dtype] in fullshard.engine.partition). Set by init_layout.
+        # in ``subgroups``, one per dtype ([Note: one buffer per dtype] in
+        # fullshard.engine.partition). Set by init_layout.
         self.layout: list[ShardedParam] = params
         self.subgroups: list[ParamGroup] = []
         # Parameters whose shards define FSDP2's all-gather extension (fullshard.engine.extension).
@@ -78,9 +79,8 @@ class ParamGroup:
         # set_keep_unsharded_storage: resharding keeps the buffer's memory (and so its
         # address) and only registers the sharded parameters again
         self.keep_unsharded_storage = False
-        self.overrides = (
-            CommOverrides()
-        )  # custom comms, hook, reduce knobs (fullshard.engine.overrides)
+        # custom comms, hook and gradient knobs (fullshard.engine.overrides), shared by children
+        self.overrides = CommOverrides()
         self.partial = PartialReduce()  # HSDP accumulation without the all-reduce
         # Post-forward partial reshard (reshard_after_forward=int): kept chunk and its group.
         self.post_forward_group: dist.ProcessGroup | None = None
