@@ -18,7 +18,7 @@ Each step is timed on every rank and the slower rank's time is kept. Prints each
 median step time, the median per-step ratio of every mode to the last one named with its
 quartiles and a 95% bootstrap interval, and the last step's loss of each (the same data and
 seed: expect equal losses). ``--save FILE`` also writes the per-step times as JSON;
-``--pool FILE ...`` reports several saved invocations together.
+``--pool FILE ...`` reports several saved invocations together (the modes they all have).
 
 It measures time only. Memory needs a process of its own per mode: ``fullshard bench``.
 """
@@ -123,12 +123,17 @@ def report(runs: list[dict[str, list[float]]], modes: list[str]) -> None:
 def pool(files: list[Path]) -> int:
     """Report the runs saved by ``--save`` together (they must name the same modes)."""
     saved = [json.loads(f.read_text()) for f in files]
-    modes = list(saved[0]["per_step_s"])
-    for f, run in zip(files, saved):
-        if list(run["per_step_s"]) != modes:
-            sys.exit(f"{f}: modes {list(run['per_step_s'])}, expected {modes} (as {files[0]})")
+    # the modes every file has, in the first file's order (the last one stays the baseline
+    # only if every file has it last)
+    modes = [m for m in saved[0]["per_step_s"] if all(m in run["per_step_s"] for run in saved)]
+    if len(modes) < 2:
+        named = {str(f): list(run["per_step_s"]) for f, run in zip(files, saved)}
+        sys.exit(f"--pool: fewer than two modes are in every file ({named})")
+    for run in saved:
         print(run["command"])
-    report([run["per_step_s"] for run in saved], modes)
+    if any(list(run["per_step_s"]) != modes for run in saved):
+        print(f"pooling the modes every file has: {', '.join(modes)}")
+    report([{m: run["per_step_s"][m] for m in modes} for run in saved], modes)
     return 0
 
 
