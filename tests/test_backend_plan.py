@@ -12,7 +12,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard import CommPolicy, count_collectives, fully_shard
-from fullshard.engine.backend import CPU_CHOICES, SMALL_UNIT_WINDOW_BYTES, BackendPlan
+from fullshard.engine import mesh as mesh_module
+from fullshard.engine.backend import (
+    CPU_CHOICES,
+    SMALL_UNIT_WINDOW_BYTES,
+    BackendPlan,
+    serving_backend,
+)
 from fullshard.engine.events import record_events
 from fullshard.engine.hooks import STATE_ATTR
 from fullshard.testing import run_distributed
@@ -20,6 +26,31 @@ from parity import GLOBAL_BATCH, batch, loss_fn, make_net, shard_net
 
 STEPS = 3
 BIG = 512  # Linear(512, 512): 1 MiB fp32, a unit above P2P_MIN_BYTES (gathered in pieces)
+
+
+def test_the_backend_serving_each_device_is_planned_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init_process_group()`` without a backend ("undefined") and per-device backend strings
+    plan as the backend that serves the device: gloo's fast paths on the CPU, NCCL's plain path
+    on CUDA; the default mesh is CUDA's wherever NCCL serves a visible GPU."""
+    gloo, nccl = BackendPlan.choose("cpu", "gloo"), BackendPlan.choose("cuda", "nccl")
+    for backend in ("undefined", "cpu:gloo,cuda:nccl", "cuda:nccl, cpu:gloo"):
+        assert BackendPlan.choose("cpu", backend) == gloo, backend
+        assert BackendPlan.choose("cuda", backend) == nccl, backend
+    assert serving_backend("undefined", "cpu") == "gloo"
+    assert serving_backend("undefined", "cuda") == "nccl"
+    assert serving_backend("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert not BackendPlan.choose("cpu", "fake").pieces  # no gloo: no gloo fast path
+    # a live group reporting "undefined" (as torch's does after a bare init_process_group())
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    assert BackendPlan.for_group(object(), torch.device("cpu")) == gloo  # type: ignore[arg-type]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    want = {"undefined": "cuda", "nccl": "cuda", "cpu:gloo,cuda:nccl": "cuda", "gloo": "cpu"}
+    for backend, device in want.items():
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert mesh_module._device_type() == device, backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mesh_module._device_type() == "cpu"
 
 
 def test_plans_per_device_and_backend() -> None:

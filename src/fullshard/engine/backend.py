@@ -42,6 +42,7 @@ __all__ = [
     "P2P_SMALL_BYTES",
     "SMALL_UNIT_WINDOW_BYTES",
     "BackendPlan",
+    "serving_backend",
 ]
 
 #: The CPU special cases a root may switch off (see the Note).
@@ -128,6 +129,22 @@ class BackendPlan:
         return self.pieces and unit_bytes >= P2P_MIN_BYTES and shard_size == 2
 
 
+def serving_backend(backend: str, device_type: str) -> str:
+    """The backend that runs ``device_type``'s collectives in a group whose backend string is
+    ``backend``: ``"gloo"`` as it is; one device's part of ``"cpu:gloo,cuda:nccl"``; and for
+    ``"undefined"`` (``init_process_group()`` without a backend, where torch makes each
+    device's default backend on first use) that default: gloo for CPU tensors, NCCL for CUDA.
+    """
+    if backend == "undefined":
+        return str(dist.Backend.default_device_backend_map.get(device_type, backend))
+    if ":" in backend:
+        for part in backend.split(","):
+            dev, _, name = part.partition(":")
+            if dev.strip() == device_type:
+                return name.strip()
+    return backend
+
+
 @functools.cache
 def _choose(device_type: str, backend: str, off: frozenset[str]) -> BackendPlan:
     unknown = sorted(off - set(CPU_CHOICES))
@@ -137,7 +154,8 @@ def _choose(device_type: str, backend: str, off: frozenset[str]) -> BackendPlan:
             f"choose from {CPU_CHOICES}"
         )
     cpu = device_type == "cpu"
-    gloo = cpu and "gloo" in backend
+    backend = serving_backend(backend, device_type)
+    gloo = cpu and backend == "gloo"
     # recycling swaps storages' memory (a private torch API, checked once); lending a slab
     # needs storage use counts too
     swap = cpu and hasattr(torch.UntypedStorage, "_swap_data_ptr_")

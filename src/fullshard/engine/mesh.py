@@ -10,17 +10,26 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from .backend import serving_backend
+
 __all__ = ["MeshInfo", "SpmdDims", "default_mesh", "mesh_info", "mesh_info_from_dims"]
 
 
 def _device_type() -> str:
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return "cuda"
-    return "cpu"
+    """``cuda`` when a GPU is visible and the default group runs CUDA collectives, else ``cpu``.
+
+    The group runs them with NCCL named alone or per device (``"cpu:gloo,cuda:nccl"``), and
+    when ``init_process_group()`` was called without a backend: torch then reports
+    ``"undefined"`` and makes each device's default backend (NCCL for CUDA) on first use.
+    """
+    if not (torch.cuda.is_available() and dist.is_initialized()):
+        return "cpu"
+    return "cuda" if serving_backend(str(dist.get_backend()), "cuda") == "nccl" else "cpu"
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over every rank of the default process group (``cuda`` with NCCL, else ``cpu``).
+    """A 1-D mesh over every rank of the default process group (``cuda`` where it runs NCCL
+    on a visible GPU, else ``cpu``).
 
     Raises a clear error if ``torch.distributed`` is not initialised.
     """
