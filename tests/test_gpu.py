@@ -56,6 +56,28 @@ def test_nccl_parity_bf16_and_offload(nccl) -> None:
     assert _train(off) == pytest.approx(ref_losses, rel=1e-5)
 
 
+def test_offloaded_gradients_have_landed_where_the_host_reads_them(nccl) -> None:
+    """With CPU offload the reduced shards are copied to pinned host memory without blocking;
+    added into an existing gradient (accumulation) or seen by a post-accumulate-grad hook,
+    they must have landed first."""
+    ref = shard_net(make_net().cuda())
+    off = shard_net(make_net(), offload_policy=CPUOffloadPolicy(pin_memory=True))
+    seen: dict[int, list[torch.Tensor]] = {}  # each parameter's gradients as its hook saw them
+    for p in off.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda q: seen.setdefault(id(q), []).append(q.grad.to_local().clone())
+        )
+    for model in (ref, off):
+        for step in range(2):  # two micro-batches: the second adds into the first's gradients
+            x, y = (t.cuda() for t in batch(step))
+            loss_fn(model(x), y).backward()
+    for a, b in zip(ref.parameters(), off.parameters()):
+        want = a.grad.to_local().cpu()
+        assert len(seen[id(b)]) == 2  # once per backward
+        torch.testing.assert_close(b.grad.to_local(), want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(seen[id(b)][-1], want, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("source", ["process_group", "symmetric"])
 def test_comm_buffers_from_backend(nccl, source: str) -> None:
     """set_allocate_memory_from_process_group_for_comm(True) / set_symm_mem_for_comm() on

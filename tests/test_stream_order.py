@@ -76,3 +76,36 @@ def test_every_wait_is_needed() -> None:
     for name in MUTATIONS:
         for transport, violations in results[name].items():
             assert violations, f"removing '{name}' went unnoticed ({transport} transport)"
+
+
+def _one_rank_checked() -> dict[str, list[str]]:
+    """Two steps at world size 1 where a unit still enters the side streams: a bf16 gather (the
+    cast on the gather stream) and CPU offload, packed and in pieces, under the checker."""
+    import torch
+
+    from fullshard import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
+
+    out: dict[str, list[str]] = {}
+    cases: dict[str, dict[str, Any]] = {
+        "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
+        "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+    }
+    for name, kwargs in cases.items():
+        for transport in ("packed", "p2p"):
+            model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport), **kwargs)
+            opt = make_optimizer(model)
+            with check_streams() as checker:
+                for step in range(2):
+                    sharded_step(model, opt, step)
+            out[f"{name}/{transport}"] = checker.violations[:3]
+    return out
+
+
+def test_one_rank_orders_its_local_copies() -> None:
+    """On one rank no collective runs, so no ``work.wait()`` orders the compute stream after
+    the side stream's copy: the handle's own wait does ([Note: a handle without a
+    collective] in fullshard.engine.collectives)."""
+    results = run_distributed(_one_rank_checked, 1, timeout=300)[0]
+    assert len(results) == 4, results
+    for case, violations in results.items():
+        assert violations == [], f"{case}: {violations}"

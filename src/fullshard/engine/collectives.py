@@ -156,47 +156,73 @@ class CollectiveError(RuntimeError):
 class Handle:
     """An in-flight collective; :meth:`wait` blocks until it completes (idempotent)."""
 
-    __slots__ = ("_context", "_done", "_then", "_work")
+    __slots__ = ("_context", "_done", "_event", "_keep", "_then", "_work")
 
     def __init__(
         self,
         work: Any | None,
         then: Callable[[], object] | None = None,
         context: str = "",
+        keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self._work = work  # a Work, a list of them (p2p exchange), or None
         self._then = then  # runs once the collective has finished (e.g. a copy-out)
         self._context = context  # what to name in errors: kind, unit, group size
         # the issuing stream's work up to this collective, while a stream checker records
         # ([Note: checking stream order on the CPU] in fullshard.engine.streamcheck)
-        checker = active_checker() if work is not None else None
+        checker = active_checker()
         self._done = checker.snapshot() if checker is not None else None
+        # [Note: a handle without a collective]
+        self._event = _issuing_stream_event() if work is None else None
+        self._keep = keep
 
     def wait(self) -> None:
         """Block until the collective has finished; record the time spent waiting."""
-        if self._work is None:
-            return
-        start = time.perf_counter()
-        try:
-            for work in self._work if isinstance(self._work, list) else [self._work]:
-                work.wait()
-        except RuntimeError as e:
-            raise CollectiveError(self._context, time.perf_counter() - start, e) from e
-        waited = time.perf_counter() - start
-        for stats in _active:
-            stats.wait_seconds += waited
-        self._work = None
+        if self._work is not None:
+            start = time.perf_counter()
+            try:
+                for work in self._work if isinstance(self._work, list) else [self._work]:
+                    work.wait()
+            except RuntimeError as e:
+                raise CollectiveError(self._context, time.perf_counter() - start, e) from e
+            waited = time.perf_counter() - start
+            for stats in _active:
+                stats.wait_seconds += waited
+            self._work = None
         self._order_after()
+        self._keep = ()
         if self._then is not None:
             self._then()
             self._then = None
 
     def _order_after(self) -> None:
         """Rule 2: the current stream waits for the collective (NCCL's ``work.wait()`` does
-        it on CUDA; on the CPU the stream checker is told)."""
+        it on CUDA, an event where there is no work; on the CPU the stream checker is told)."""
         checker = active_checker()
         if checker is not None and self._done is not None:
             checker.wait(checker.current, self._done)
+        self._done = None
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
+
+def _issuing_stream_event() -> Any | None:
+    """An event recorded on the current CUDA stream (``None`` where CUDA is not in use).
+
+    [Note: a handle without a collective]
+    On one rank, and where a custom all-gather returns no work, a "collective" is a local copy
+    (or nothing) issued on a side stream, and no ``work.wait()`` will make the compute stream
+    wait for it. So the handle records an event on the issuing stream and :meth:`Handle.wait`
+    makes the current stream wait on it (FSDP2 waits on its all-gather event with or without
+    work); the handle also keeps the copy's tensors (``keep``) until then, so their memory,
+    allocated on the compute stream, is not reused while the side stream still reads it.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _record(
@@ -376,7 +402,7 @@ def all_gather(
     """
     size = _local_or_size("all_gather", output, input, group, output_is_full=True)
     if size == 1:
-        return Handle(None)
+        return Handle(None, keep=(output, input))
     assert group is not None
     if comm is not None:
         _record("all_gather", output, size, "custom")
@@ -459,7 +485,7 @@ def reduce_scatter(
     """
     size = _local_or_size("reduce_scatter", output, input, group, output_is_full=False)
     if size == 1:
-        return Handle(None)
+        return Handle(None, keep=(output, input))
     assert group is not None
     if comm is not None:
         _record("reduce_scatter", input, size, "custom")
@@ -527,7 +553,7 @@ def reduce_scatter_pieces(
     if size == 1:
         for out, piece in zip(outputs, pieces[0]):
             out.copy_(piece)
-        return Handle(None)
+        return Handle(None, keep=(*outputs, *pieces[0]))
     assert group is not None
     _record("reduce_scatter", pieces[me][0], size, "p2p", nbytes=nbytes)
     return _reduce_scatter_p2p(pieces, outputs, group, what, True)

@@ -449,6 +449,12 @@ class ShardedParam:
             grad._local_tensor.add_(local_grad.to(grad._local_tensor.device))
         self.run_post_accumulate_grad_hooks()
 
+    def reads_grad_on_arrival(self) -> bool:
+        """Whether :meth:`make_grad` reads the new shard at once: it is added into an existing
+        gradient, or a post-accumulate-grad hook sees it."""
+        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
+        return self.sharded_param.grad is not None or bool(hooks)
+
     def run_post_accumulate_grad_hooks(self) -> None:
         """Run the hooks users registered on the sharded parameter with
         ``register_post_accumulate_grad_hook`` (optimizers in backward do): autograd never

@@ -182,8 +182,14 @@ class PendingReduce:
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
             if self.offload and shard.device.type != "cpu":  # on a CPU run nothing moves
+                # Cast on the device (as FSDP2), so the host never computes on a copy in flight;
+                # where the host reads the gradient at once (added into an existing one, or a
+                # post-accumulate-grad hook), wait for the copy first.
+                shard = shard.to(sp.orig_dtype)
                 emit("d2h", self.unit, nbytes=shard.numel() * shard.element_size())
                 shard = self.streams.to_host(shard, self.pin)
+                if sp.reads_grad_on_arrival():
+                    self.streams.wait_host_copies()
             sp.make_grad(shard)
 
 
