@@ -134,6 +134,20 @@ def _stress(group: dist.ProcessGroup, members: list[int]) -> None:
         h.wait()
 
 
+def _grouped(group: dist.ProcessGroup, members: list[int]) -> None:
+    """The exchange as one batch (what CUDA tensors take, for NCCL), run here on gloo: every
+    rank sends each peer two tensors (one empty) and gets the peer's, group ranks mapped to
+    global ones."""
+    me, gr, size = dist.get_rank(), dist.get_rank(group), len(members)
+    sends = [[_chunk(me, 7 + r), torch.empty(0)] for r in range(size)]
+    recvs = [[torch.full((N,), -1.0), torch.empty(0)] for _ in range(size)]
+    for work in C._exchange_grouped(sends, recvs, group, base=0):
+        work.wait()
+    for r, got in enumerate(recvs):
+        if r != gr:
+            assert torch.equal(got[0], _chunk(members[r], 7 + gr)), (members, r)
+
+
 def _rank_main() -> dict[str, object]:
     me = dist.get_rank()
     world = dist.group.WORLD
@@ -148,6 +162,9 @@ def _rank_main() -> dict[str, object]:
     _stress(world, [0, 1, 2, 3])
     _stress(pair, members)
     done.append("pieces")
+    for group, ranks in ((world, [0, 1, 2, 3]), (pair, members)):
+        _grouped(group, ranks)
+    done.append("grouped")
     # bf16 through the exchange (values stay exact in bf16)
     out = torch.empty(4 * N, dtype=torch.bfloat16)
     C.all_gather(out, _chunk(me, 0, torch.bfloat16), world, algorithm="p2p").wait()
@@ -184,7 +201,7 @@ def test_every_algorithm_matches_the_collective(results: list[dict[str, object]]
         for algo in algos:
             for size in (4, 2):
                 assert f"{kind}:{algo}:{size}" in done
-    assert "pieces" in done
+    assert "pieces" in done and "grouped" in done
 
 
 def test_auto_picks_p2p_where_it_is_faster_and_free(results: list[dict[str, object]]) -> None:

@@ -288,6 +288,8 @@ def _exchange(
     n = max(len(t) for t in sends)
     base = _P2P_TAG_BASE + _next_tag.get(group, 0)
     _next_tag[group] = (_next_tag.get(group, 0) + n) % _P2P_TAG_SPACE
+    if any(t.is_cuda for ts in (*sends, *recvs) for t in ts):
+        return _exchange_grouped(sends, recvs, group, base)
     works = []
     for i in range(1, size):
         dst, src = (me + i) % size, (me - i) % size
@@ -298,6 +300,33 @@ def _exchange(
             if t.numel():
                 works.append(group.recv([_real(t)], src, base + k))
     return works
+
+
+def _exchange_grouped(
+    sends: list[list[torch.Tensor]],
+    recvs: list[list[torch.Tensor]],
+    group: ProcessGroup,
+    base: int,
+) -> list[Any]:
+    """:func:`_exchange` as one batch (``dist.batch_isend_irecv``): NCCL needs a send and a
+    receive between the same two ranks grouped, or both ranks block in their sends (a pair's
+    messages share one NCCL stream). Used for CUDA tensors; peers are named by global rank."""
+    size, me = group.size(), group.rank()
+    ops = []
+    for i in range(1, size):
+        dst, src = (me + i) % size, (me - i) % size
+        to, frm = dist.get_global_rank(group, dst), dist.get_global_rank(group, src)
+        ops += [
+            dist.P2POp(dist.isend, _real(t), to, group, base + k)
+            for k, t in enumerate(sends[dst])
+            if t.numel()
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, _real(t), frm, group, base + k)
+            for k, t in enumerate(recvs[src])
+            if t.numel()
+        ]
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
