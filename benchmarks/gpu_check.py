@@ -17,7 +17,8 @@ Prints one table (and, with ``--out``, the same as JSON):
   time GPU work on other streams (the all-gather of unit ``i + 1`` and its copies) ran inside
   unit ``i``'s compute span (:mod:`fullshard.bench.trace`). Reported as numbers, not assumed.
 
-Without a CUDA GPU it prints one line saying it skipped and exits 0. It exits 1 when a parity
+Without a CUDA GPU it prints one line saying it skipped and exits 0 (but exits 1 where the
+driver sees GPUs and torch is a CPU build). It exits 1 when a parity
 check fails or a check raises; speed and memory against FSDP2 are reported, never failed on.
 """
 
@@ -26,7 +27,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -435,9 +438,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _gpus_the_driver_sees() -> int:
+    """How many GPUs ``nvidia-smi -L`` lists (0 without the tool or a driver)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not torch.cuda.is_available():
+        gpus = _gpus_the_driver_sees()
+        if gpus and torch.version.cuda is None and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+            # a CPU build of torch on a GPU machine (e.g. a CPU venv carried over): not a pass
+            print(
+                f"gpu_check: failed: the driver sees {gpus} GPU(s) but torch {torch.__version__} "
+                "is a CPU build; install a CUDA build of torch (pip install torch from PyPI) "
+                "and rerun",
+                file=sys.stderr,
+            )
+            return 1
         print(f"gpu_check: skipped: no CUDA GPU visible to torch {torch.__version__}")
         return 0
     from fullshard.testing import free_port

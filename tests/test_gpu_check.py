@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,3 +49,20 @@ def test_llama_shape_and_table() -> None:
     rows = [gc.Row("a check", "1.0", "2.0", "a note", "PASS")]
     text = gc._table(rows, "header")
     assert text.splitlines()[0] == "header" and "a check" in text and text.endswith("a note")
+
+
+def test_a_cpu_torch_on_a_gpu_machine_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CPU build of torch where the driver sees GPUs (a CPU venv carried to a GPU machine)
+    is a failure, not a skip: the check would otherwise report green without running."""
+    gc = _gpu_check()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gc.torch.version, "cuda", None)
+    monkeypatch.setattr(gc, "_gpus_the_driver_sees", lambda: 2)
+    assert gc.main([]) == 1
+    assert "the driver sees 2 GPU(s)" in capsys.readouterr().err
+    monkeypatch.setattr(gc, "_gpus_the_driver_sees", lambda: 0)
+    assert gc.main([]) == 0
+    assert capsys.readouterr().out.startswith("gpu_check: skipped: no CUDA GPU")
