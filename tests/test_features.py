@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -167,12 +168,16 @@ def _hsdp_offload_clip() -> dict:
         opt = make_optimizer(model)
         losses, counts = [], []
         for step in range(5):
+            if step == 4:  # one reduce-scatter in flight, exactly (no small-unit window)
+                model.set_reduce_scatter_max_input_buffers(1)
             with count_collectives() as stats, record_events() as log:
                 losses.append(sharded_step(model, opt, step))
             # a gather that took back its unit's pooled memory counts as the theory's gather
             reused = [("all_gather", 2)] * reused_gathers(log)
             counts.append(sorted([(r.kind, r.group_size) for r in stats.records] + reused))
-        out[f"hsdp-{t}"] = (losses, full_state(model), counts)
+        kinds = ("reduce_issue", "allreduce_issue", "reduce_wait")
+        order = [(e.kind, e.unit) for e in log if e.kind in kinds]  # the last step's
+        out[f"hsdp-{t}"] = (losses, full_state(model), counts, order)
         out[f"hsdp_accum-{t}"] = _hsdp_accumulation(mesh, t)
 
     # CPU offload (works on a CPU-only build; torch FSDP2 fails there)
@@ -301,6 +306,16 @@ def test_hsdp_offload_clip_divide() -> None:
     )
     for t in TRANSPORTS:
         assert all(c == expected for c in r[f"hsdp-{t}"][2]), (t, r[f"hsdp-{t}"][2][0])
+        # a unit's all-reduce across replicas stays in flight while the next unit computes
+        # and issues its reduction (as FSDP2's all-reduce stream), finished only after that
+        # (the last step: one reduce-scatter in flight)
+        order = r[f"hsdp-{t}"][3]
+        issues = [u for k, u in order if k == "reduce_issue"]
+        assert len(issues) == 4, order
+        for unit, after in itertools.pairwise(issues):
+            at = order.index
+            assert at(("allreduce_issue", unit)) < at(("reduce_issue", after)), (t, order)
+            assert at(("reduce_issue", after)) < at(("reduce_wait", unit)), (t, order)
         losses, counts = r[f"hsdp_accum-{t}"]
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) / abs(b) < 1e-5, f"hsdp accumulation {t}: {a} vs {b}"

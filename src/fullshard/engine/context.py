@@ -83,6 +83,8 @@ class StepContext(Generic[U]):
         # Which units open a gradient slab this step (see _plan_slabs); None: not planned yet.
         self._slab_plan: dict[U, int] | None = None
         self.pending: list[PendingReduce] = []
+        # HSDP reductions whose all-reduce across replicas is in flight (see make_room)
+        self.replicating: list[PendingReduce] = []
         self.max_pending = 1  # reductions allowed in flight (see update_max_pending)
         self.reduce_window_bytes = plan.window_bytes  # [Note: a window for small units]
         self.update_max_pending()
@@ -174,9 +176,9 @@ class StepContext(Generic[U]):
 
     def finish_pending(self) -> None:
         """Wait for the reductions in flight and hand out their gradient shards."""
-        for p in self.pending:
+        for p in (*self.replicating, *self.pending):
             p.finish()
-        self.pending = []
+        self.replicating, self.pending = [], []
 
     def update_max_pending(self) -> None:
         """One cap for the root's units, the largest any asks for (as FSDP2: a unit with a
@@ -196,7 +198,18 @@ class StepContext(Generic[U]):
             beyond = self.pending[self.max_pending :]  # and the new one: the extra ones
             if nbytes + sum(p.nbytes for p in beyond) <= self.reduce_window_bytes:
                 return
-            self.pending.pop(0).finish()
+            oldest = self.pending.pop(0)
+            # HSDP: the oldest's reduce-scatter is done; its all-reduce across replicas then
+            # runs while the next unit computes (as FSDP2's all-reduce stream), one at a time,
+            # holding only the gradient shards it reduces in place
+            for p in self.replicating:
+                p.finish()
+            self.replicating = []
+            if oldest.replicate_group is not None and not oldest.allreduce_issued:
+                oldest.advance()
+                self.replicating.append(oldest)
+            else:
+                oldest.finish()
 
     def add_pending(self, pending: list[PendingReduce]) -> None:
         self.pending.extend(pending)
@@ -244,9 +257,9 @@ class StepContext(Generic[U]):
         step's orders; the previous forward order (the prefetch plan) is kept. The autograd
         engine drops queued callbacks when a backward raises, so none counts as queued.
         """
-        for p in self.pending:
+        for p in (*self.replicating, *self.pending):
             p.handle.wait()
-        self.pending = []
+        self.replicating, self.pending = [], []
         for st in self.states:
             st.group.reset_iter_state()
             st.training_state = TrainingState.IDLE

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 __all__ = ["EngineEvent", "emit", "record_events"]
 
 # kind: gather_issue | gather_wait | forward_start | forward_end | backward_start |
-#       reduce_issue | reduce_wait | backward_end | h2d | d2h |
+#       reduce_issue | allreduce_issue (HSDP) | reduce_wait | backward_end | h2d | d2h |
 #       unshard_alloc (detail "recycled" or "fresh", see fullshard.engine.pool)
 
 

@@ -160,6 +160,7 @@ class PendingReduce:
             with self.streams.use("reduce"):
                 self.handle = C.all_reduce(self.output, self.replicate_group, what=self.what)
             self.allreduce_issued = True
+            emit("allreduce_issue", self.unit)
 
     @labelled("reduce_scatter_wait", unit_attr="unit")
     def finish(self) -> None:
