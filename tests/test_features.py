@@ -394,3 +394,15 @@ def test_low_precision_communication() -> None:
             assert base_ag / ag > ag_ratio, base_ag / ag
         for a, b in zip(losses, base_losses):
             assert abs(a - b) / b < bound, (name, a, b)
+
+
+def test_fp16_divides_by_powers_of_two_around_the_reduction() -> None:
+    """fp16 gradients are divided before the sum by about the square root of the factor,
+    rounded up to a power of two (exact), and by the rest after it (as FSDP2 splits it)."""
+    from fullshard.engine.reduce import fp16_pre_divide
+
+    want = {1.0: 1.0, 2.0: 2.0, 3.0: 2.0, 4.0: 2.0, 6.0: 4.0, 8.0: 4.0, 16.0: 4.0, 0.5: 1.0}
+    assert {f: fp16_pre_divide(f) for f in want} == want
+    for factor in (2.0, 8.0, 24.0, 1000.0):
+        pre = fp16_pre_divide(factor)
+        assert math.log2(pre).is_integer() and pre * pre >= factor > pre * pre / 4

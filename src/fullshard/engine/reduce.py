@@ -58,6 +58,7 @@ __all__ = [
     "PendingReduce",
     "ReduceUnit",
     "collect_grads",
+    "fp16_pre_divide",
     "hand_out_local",
     "lendable_output_nbytes",
     "start_reduce",
@@ -236,6 +237,15 @@ def collect_grads(g: ReduceUnit) -> list[tuple[ShardedParam, torch.Tensor]]:
     return ready
 
 
+def fp16_pre_divide(factor: float) -> float:
+    """What fp16 gradients are divided by before the reduction (the rest of ``factor`` after
+    it): fp16 sums overflow easily, so about the square root of ``factor``, rounded up to a
+    power of two so the division itself is exact (as FSDP2 splits it)."""
+    if factor <= 1.0:
+        return 1.0
+    return 2.0 ** math.ceil(math.log2(factor) / 2)
+
+
 def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> PendingReduce:
     """Reduce-scatter ``ready``'s gradients the way the unit's transport says; empties
     ``ready`` (so the caller holds no gradient references)."""
@@ -247,8 +257,7 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     factor = g.overrides.gradient_divide_factor
     if factor is None:
         factor = float(g.world * g.info.replicate_size)
-    # fp16 sums overflow easily: divide by sqrt(factor) before and after the reduction.
-    pre = math.sqrt(factor) if dtype == torch.float16 else 1.0
+    pre = fp16_pre_divide(factor) if dtype == torch.float16 else 1.0
     hsdp = g.info.replicate_size > 1
     in_pieces = (
         not C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
