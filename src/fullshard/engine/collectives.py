@@ -39,12 +39,9 @@ all-reduce a no-op, so world size 1 runs the same code path without communicatio
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
-from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,7 +50,14 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .backend import BackendPlan
-from .streamcheck import active_checker
+from .handle import (
+    CollectiveError,
+    CollectiveRecord,
+    CollectiveStats,
+    Handle,
+    count_collectives,
+    record,
+)
 
 __all__ = [
     "CollectiveError",
@@ -76,166 +80,6 @@ def watched_by_torch_tools() -> bool:
     if not torch._C._len_torch_dispatch_stack():  # no mode at all: the common case
         return False
     return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
-
-
-@dataclass(frozen=True)
-class CollectiveRecord:
-    """One collective as issued: its kind, bytes on the wire, dtype and group size."""
-
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
-    nbytes: int
-    dtype: torch.dtype
-    group_size: int
-    algorithm: str  # the torch.distributed call that implemented it
-
-
-@dataclass
-class CollectiveStats:
-    """Calls, bytes and waiting time per kind, accumulated while the recorder is active."""
-
-    records: list[CollectiveRecord] = field(default_factory=list)
-    wait_seconds: float = 0.0
-
-    def calls(self, kind: str | None = None) -> int:
-        """Number of collectives of ``kind`` (all kinds when ``None``)."""
-        return sum(1 for r in self.records if kind is None or r.kind == kind)
-
-    def bytes(self, kind: str | None = None) -> int:
-        """Bytes on the wire of ``kind`` (all kinds when ``None``)."""
-        return sum(r.nbytes for r in self.records if kind is None or r.kind == kind)
-
-    def by_kind(self) -> dict[str, dict[str, int]]:
-        """``{kind: {"calls": n, "bytes": b}}`` — the shape benchmarks print."""
-        calls: Counter[str] = Counter()
-        nbytes: Counter[str] = Counter()
-        for r in self.records:
-            calls[r.kind] += 1
-            nbytes[r.kind] += r.nbytes
-        return {k: {"calls": calls[k], "bytes": nbytes[k]} for k in calls}
-
-    def reset(self) -> None:
-        """Forget everything recorded so far."""
-        self.records.clear()
-        self.wait_seconds = 0.0
-
-
-# Recorders currently listening. Explicit and scoped by ``count_collectives``; the only other
-# module-level state in fullshard is the per-group p2p tag counter (``_next_tag``).
-_active: list[CollectiveStats] = []
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[CollectiveStats]:
-    """Record every collective fullshard issues inside the ``with`` block.
-
-    >>> with count_collectives() as stats:
-    ...     loss = model(x).sum(); loss.backward()
-    >>> stats.calls("reduce_scatter")
-    """
-    stats = CollectiveStats()
-    _active.append(stats)
-    try:
-        yield stats
-    finally:
-        _active.remove(stats)
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names it, its unit and this rank."""
-
-    def __init__(self, context: str, waited: float, cause: BaseException) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        super().__init__(
-            f"rank {rank}: {context} failed after {waited:.1f}s: {cause}\n"
-            f"Another rank probably stopped participating (crashed, hung, or took a different "
-            f"code path and skipped this unit). The timeout is the process group's: "
-            f"init_process_group(timeout=...) or `fullshard train --collective-timeout`."
-        )
-
-
-class Handle:
-    """An in-flight collective; :meth:`wait` blocks until it completes (idempotent)."""
-
-    __slots__ = ("_context", "_done", "_event", "_keep", "_then", "_work")
-
-    def __init__(
-        self,
-        work: Any | None,
-        then: Callable[[], object] | None = None,
-        context: str = "",
-        keep: tuple[torch.Tensor, ...] = (),
-    ) -> None:
-        self._work = work  # a Work, a list of them (p2p exchange), or None
-        self._then = then  # runs once the collective has finished (e.g. a copy-out)
-        self._context = context  # what to name in errors: kind, unit, group size
-        # the issuing stream's work up to this collective, while a stream checker records
-        # ([Note: checking stream order on the CPU] in fullshard.engine.streamcheck)
-        checker = active_checker()
-        self._done = checker.snapshot() if checker is not None else None
-        # [Note: a handle without a collective]
-        self._event = _issuing_stream_event() if work is None else None
-        self._keep = keep
-
-    def wait(self) -> None:
-        """Block until the collective has finished; record the time spent waiting."""
-        if self._work is not None:
-            start = time.perf_counter()
-            try:
-                for work in self._work if isinstance(self._work, list) else [self._work]:
-                    work.wait()
-            except RuntimeError as e:
-                raise CollectiveError(self._context, time.perf_counter() - start, e) from e
-            waited = time.perf_counter() - start
-            for stats in _active:
-                stats.wait_seconds += waited
-            self._work = None
-        self._order_after()
-        self._keep = ()
-        if self._then is not None:
-            self._then()
-            self._then = None
-
-    def _order_after(self) -> None:
-        """Rule 2: the current stream waits for the collective (NCCL's ``work.wait()`` does
-        it on CUDA, an event where there is no work; on the CPU the stream checker is told)."""
-        checker = active_checker()
-        if checker is not None and self._done is not None:
-            checker.wait(checker.current, self._done)
-        self._done = None
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-            self._event = None
-
-
-def _issuing_stream_event() -> Any | None:
-    """An event recorded on the current CUDA stream (``None`` where CUDA is not in use).
-
-    [Note: a handle without a collective]
-    On one rank, and where a custom all-gather returns no work, a "collective" is a local copy
-    (or nothing) issued on a side stream, and no ``work.wait()`` will make the compute stream
-    wait for it. So the handle records an event on the issuing stream and :meth:`Handle.wait`
-    makes the current stream wait on it (FSDP2 waits on its all-gather event with or without
-    work); the handle also keeps the copy's tensors (``keep``) until then, so their memory,
-    allocated on the compute stream, is not reused while the side stream still reads it.
-    """
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-def _record(
-    kind: str, tensor: torch.Tensor, group_size: int, algorithm: str = "", nbytes: int = -1
-) -> None:
-    """Report one collective; its bytes are ``tensor``'s unless ``nbytes`` says otherwise."""
-    if not _active:
-        return
-    if nbytes < 0:
-        nbytes = tensor.numel() * tensor.element_size()
-    rec = CollectiveRecord(kind, nbytes, tensor.dtype, group_size, algorithm or kind)
-    for stats in _active:
-        stats.records.append(rec)
 
 
 def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
@@ -434,13 +278,13 @@ def all_gather(
         return Handle(None, keep=(output, input))
     assert group is not None
     if comm is not None:
-        _record("all_gather", output, size, "custom")
+        record("all_gather", output, size, "custom")
         return _start(
             "all_gather", "custom", what, size, comm, output, input, group=group, async_op=async_op
         )
     nbytes = output.numel() * output.element_size()
     algorithm = _algorithm("all_gather", algorithm, group, output.device, nbytes, plan)
-    _record("all_gather", output, size, algorithm)
+    record("all_gather", output, size, algorithm)
     if algorithm != "p2p":
         return _start(
             "all_gather", "all_gather", what, size, output, input, group=group, async_op=async_op
@@ -486,7 +330,7 @@ def all_gather_pieces(
         return Handle(None)
     assert group is not None
     me = dist.get_rank(group)
-    _record("all_gather", pieces[me][0], size, "p2p", nbytes=nbytes)
+    record("all_gather", pieces[me][0], size, "p2p", nbytes=nbytes)
     return _gather_p2p(pieces, group, what, True)
 
 
@@ -517,7 +361,7 @@ def reduce_scatter(
         return Handle(None, keep=(output, input))
     assert group is not None
     if comm is not None:
-        _record("reduce_scatter", input, size, "custom")
+        record("reduce_scatter", input, size, "custom")
         return _start(
             "reduce_scatter",
             "custom",
@@ -532,7 +376,7 @@ def reduce_scatter(
         )
     nbytes = input.numel() * input.element_size()
     algorithm = _algorithm("reduce_scatter", algorithm, group, input.device, nbytes, plan)
-    _record("reduce_scatter", input, size, algorithm)
+    record("reduce_scatter", input, size, algorithm)
     me = dist.get_rank(group)
     chunks = list(input.view(size, -1))
     if algorithm == "p2p":
@@ -584,7 +428,7 @@ def reduce_scatter_pieces(
             out.copy_(piece)
         return Handle(None, keep=(*outputs, *pieces[0]))
     assert group is not None
-    _record("reduce_scatter", pieces[me][0], size, "p2p", nbytes=nbytes)
+    record("reduce_scatter", pieces[me][0], size, "p2p", nbytes=nbytes)
     return _reduce_scatter_p2p(pieces, outputs, group, what, True)
 
 
@@ -597,7 +441,14 @@ def _reduce_scatter_p2p(
 ) -> Handle:
     """The p2p reduce-scatter: the first peer's pieces land in ``outputs`` themselves, any
     other peers' in one scratch buffer; this rank's own pieces and the scratch are added on
-    wait."""
+    wait.
+
+    The scratch is the one buffer allocated on the issuing (side) stream and read on the
+    waiting one; it needs no ``record_stream``: once freed, the caching allocator hands its
+    memory only to later allocations on the side stream, and every later use of a side
+    stream starts by waiting for the compute stream (rule 1 of [Note: checking stream order on
+    the CPU] in ``fullshard.engine.streamcheck``), so what reuses it runs after the last read.
+    """
     size, me = dist.get_world_size(group), dist.get_rank(group)
     peers = [(me - i) % size for i in range(1, size)]
     sizes = [o.numel() for o in outputs]
@@ -639,7 +490,7 @@ def all_reduce(
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
         return Handle(None)
-    _record("all_reduce", tensor, size)
+    record("all_reduce", tensor, size)
     return _start(
         "all_reduce", "all_reduce", what, size, tensor, op=op, group=group, async_op=async_op
     )

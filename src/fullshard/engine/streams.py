@@ -7,7 +7,9 @@ so it sees everything queued before it. Rules that keep peak memory deterministi
 ``record_stream``:
 
 - every communication buffer is allocated on the compute (current) stream, before the side
-  stream is entered, so the caching allocator ties its memory to the compute stream;
+  stream is entered, so the caching allocator ties its memory to the compute stream (the
+  p2p reduce-scatter's scratch is the exception, safe because each side stream first waits
+  for the compute stream: see ``collectives._reduce_scatter_p2p``);
 - the engine holds a buffer (the pending gather or reduction object keeps the reference) until
   the compute stream has waited for the side stream's work on it (``Handle.wait`` makes the
   current stream wait for the collective); only then is the reference dropped, so the memory

@@ -326,7 +326,7 @@ class TrainConfig:
             digest = hashlib.sha1(json.dumps(model, sort_keys=True).encode()).hexdigest()[:8]
             name = f"{self.preset}-{digest}"
         # Another optimizer's checkpoints cannot be resumed: its own directory (AdamW, the
-        # default, keeps the plain name, as before).
+        # default, keeps the plain name, so runs started without --optimizer resume).
         return name if self.optimizer == "adamw" else f"{name}-{self.optimizer}"
 
     def resolved_run_dir(self) -> str:
