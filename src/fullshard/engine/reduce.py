@@ -183,7 +183,9 @@ class PendingReduce:
                 self.output.div_(self.divide_after)
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
-            if self.offload and shard.device.type != "cpu":  # on a CPU run nothing moves
+            # a CPU run moves nothing, except under a stream checker ([Note: the offload
+            # copy on the CPU] in fullshard.engine.streams)
+            if self.offload and self.streams.moves_to_host(shard):
                 # Cast on the device (as FSDP2), so the host never computes on a copy in flight;
                 # where the host reads the gradient at once (added into an existing one, or a
                 # post-accumulate-grad hook), wait for the copy first.

@@ -9,7 +9,12 @@ buffer's safety ([Note: streams and buffer lifetimes] in ``fullshard.engine.stre
 2. the compute stream waits for a collective before using its result (``Handle.wait``, which
    on NCCL makes the current stream wait for the work: ``Handle._order_after`` here);
 3. a buffer is freed (its storage resized to 0, or handed to the pool) only after the waits
-   above, on the compute stream.
+   above, on the compute stream;
+4. under CPU offload the host reads a gradient shard only after its device-to-host copy on the
+   offload stream has landed (``CommStreams.wait_host_copies``: at the end of backward, and at
+   once where the shard is added into an existing gradient or a hook reads it); on the CPU
+   the copy runs while a checker records ([Note: the offload copy on the CPU] in
+   ``fullshard.engine.streams``).
 
 On the CPU there are no streams, so nothing would check these rules. :func:`check_streams`
 runs the same calls on logical streams instead: ``CommStreams`` and ``Handle`` report to the
@@ -23,7 +28,9 @@ c10d's ops: their output tensors are written). It reports
 - a storage freed while another stream's use of it is not ordered before the free.
 
 The parity matrix runs once under the checker in CI (``tests/test_stream_order.py``), and a
-test removes each of the waits above in turn and shows the checker fails.
+test removes each of the waits above in turn (rules 1, 2 and 4: both of rule 4's) and shows
+the checker fails. A DTensor's accesses are its local tensor's (the optimizer reads the
+sharded gradients as DTensors).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["COMPUTE", "StreamChecker", "active_checker", "check_streams", "freed"]
@@ -84,7 +92,10 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
 
 
 def _key(t: torch.Tensor) -> int | None:
-    """The storage of a plain tensor (subclasses and meta tensors have none to check)."""
+    """The storage of a plain tensor, or of a DTensor's local tensor (an optimizer reads the
+    sharded gradients as DTensors); other subclasses and meta tensors have none to check."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta":
         return None
     return t.untyped_storage()._cdata

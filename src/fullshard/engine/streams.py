@@ -76,23 +76,50 @@ class CommStreams:
         if checker is not None:
             checker.wait(stream, checker.snapshot())
 
+    def moves_to_host(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`to_host` copies ``tensor``: a device tensor, or any tensor while a
+        stream checker records (see [Note: the offload copy on the CPU])."""
+        return tensor.device.type != "cpu" or active_checker() is not None
+
     def to_host(self, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         """Copy ``tensor`` to host memory on the offload stream (waited on by
-        :meth:`wait_host_copies`); on the CPU, ``tensor`` itself."""
-        if tensor.device.type == "cpu":
+        :meth:`wait_host_copies`); on the CPU, ``tensor`` itself.
+
+        [Note: the offload copy on the CPU]
+        On a CPU run the gradient shards already live in host memory, so nothing is copied and
+        no stream orders the host's reads after a copy. While a stream checker records, the
+        copy is made anyway (same values) on the logical offload stream and
+        :meth:`wait_host_copies` makes the current stream wait for it, so a host read of a
+        gradient before its copy has landed is an unordered access on every CI run, as it
+        would be a race on CUDA.
+        """
+        checker = active_checker()
+        if tensor.device.type == "cpu" and checker is None:
             return tensor
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        if tensor.device.type == "cpu":
+            out = torch.empty_like(tensor)
+        else:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
         with self.use("offload"):
             out.copy_(tensor, non_blocking=pin)
             if self.enabled:
-                event = torch.cuda.Event()
+                event: Any = torch.cuda.Event()
                 event.record()
-                # ``tensor`` (device memory) must outlive the copy: keep it with the event.
-                self._host_copies.append((event, tensor))
+            else:
+                assert checker is not None
+                event = checker.snapshot()
+            # ``tensor`` (device memory) must outlive the copy: keep it with the event.
+            self._host_copies.append((event, tensor))
         return out
 
     def wait_host_copies(self) -> None:
-        """Block until every D2H copy issued by :meth:`to_host` has landed."""
+        """Block until every D2H copy issued by :meth:`to_host` has landed (under a stream
+        checker: the current stream waits for the offload stream's copies)."""
+        checker = active_checker()
         for event, _ in self._host_copies:
-            event.synchronize()
+            if isinstance(event, dict):  # a checker's snapshot
+                if checker is not None:
+                    checker.wait(checker.current, event)
+            else:
+                event.synchronize()
         self._host_copies.clear()
