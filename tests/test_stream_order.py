@@ -113,6 +113,50 @@ def test_every_wait_is_needed() -> None:
             assert results[name][case], f"removing '{name}' went unnoticed ({case})"
 
 
+def _features_checked() -> dict[str, Any]:
+    """Two steps of each feature whose stream work the parity matrix does not reach, under the
+    checker on 4 ranks: HSDP (its all-reduce across replicas in flight while the next unit
+    computes), CPU offload, bf16 gathers with fp32 reductions, fp16 reductions (divided
+    around the sum), each with either transport."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    cases: dict[str, dict[str, Any]] = {
+        "hsdp": {"mesh": mesh},
+        "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+        "bf16": {
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        },
+        "fp16_reduce": {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float16)},
+    }
+    out: dict[str, Any] = {}
+    for name, kwargs in cases.items():
+        for transport in ("packed", "p2p"):
+            model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport), **kwargs)
+            opt = make_optimizer(model)
+            with check_streams() as checker:
+                for step in range(2):
+                    sharded_step(model, opt, step)
+            out[f"{name}/{transport}"] = (checker.violations[:3], sorted(checker.clocks))
+    return out
+
+
+def test_features_run_in_stream_order() -> None:
+    results = run_distributed(_features_checked, 4, timeout=600)
+    for r in results:
+        assert len(r) == 8, sorted(r)
+        for case, (violations, streams) in r.items():
+            assert violations == [], f"{case}: {violations}"
+            assert {COMPUTE, "gather", "reduce"} <= set(streams), (case, streams)
+            if case.startswith("offload"):
+                assert "offload" in streams, (case, streams)
+
+
 def _one_rank_checked() -> dict[str, list[str]]:
     """Two steps at world size 1 where a unit still enters the side streams: a bf16 gather (the
     cast on the gather stream) and CPU offload, packed and in pieces, under the checker."""
