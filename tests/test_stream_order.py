@@ -113,6 +113,23 @@ def test_every_wait_is_needed() -> None:
             assert results[name][case], f"removing '{name}' went unnoticed ({case})"
 
 
+def _two_steps_checked(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Two training steps per case and transport (packed, p2p) under the stream checker: each
+    ``"case/transport"`` maps to (the first violations, the logical streams seen)."""
+    from fullshard import CommPolicy
+
+    out: dict[str, Any] = {}
+    for name, kwargs in cases.items():
+        for transport in ("packed", "p2p"):
+            model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport), **kwargs)
+            opt = make_optimizer(model)
+            with check_streams() as checker:
+                for step in range(2):
+                    sharded_step(model, opt, step)
+            out[f"{name}/{transport}"] = (checker.violations[:3], sorted(checker.clocks))
+    return out
+
+
 def _features_checked() -> dict[str, Any]:
     """Two steps of each feature whose stream work the parity matrix does not reach, under the
     checker on 4 ranks: HSDP (its all-reduce across replicas in flight while the next unit
@@ -121,7 +138,7 @@ def _features_checked() -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fullshard import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
+    from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     cases: dict[str, dict[str, Any]] = {
@@ -134,16 +151,7 @@ def _features_checked() -> dict[str, Any]:
         },
         "fp16_reduce": {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float16)},
     }
-    out: dict[str, Any] = {}
-    for name, kwargs in cases.items():
-        for transport in ("packed", "p2p"):
-            model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport), **kwargs)
-            opt = make_optimizer(model)
-            with check_streams() as checker:
-                for step in range(2):
-                    sharded_step(model, opt, step)
-            out[f"{name}/{transport}"] = (checker.violations[:3], sorted(checker.clocks))
-    return out
+    return _two_steps_checked(cases)
 
 
 def test_features_run_in_stream_order() -> None:
@@ -162,22 +170,13 @@ def _one_rank_checked() -> dict[str, list[str]]:
     cast on the gather stream) and CPU offload, packed and in pieces, under the checker."""
     import torch
 
-    from fullshard import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
+    from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    out: dict[str, list[str]] = {}
     cases: dict[str, dict[str, Any]] = {
         "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
         "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
     }
-    for name, kwargs in cases.items():
-        for transport in ("packed", "p2p"):
-            model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport), **kwargs)
-            opt = make_optimizer(model)
-            with check_streams() as checker:
-                for step in range(2):
-                    sharded_step(model, opt, step)
-            out[f"{name}/{transport}"] = checker.violations[:3]
-    return out
+    return {case: violations for case, (violations, _) in _two_steps_checked(cases).items()}
 
 
 def test_one_rank_orders_its_local_copies() -> None:
