@@ -49,9 +49,14 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.fullshard-stamp" 2>/dev/null)
   mkdir -p "$CACHE"
   "$PY" -m venv "$VENV"
   # Only this venv bypasses the machine's pip configuration (and so any cap on torch).
-  PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q "torch==$VERSION"
-  # torch is installed first, so resolving the extras keeps it.
-  PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e ".[dev,clients]"
+  # setuptools new enough to build fullshard's wheel (tests/test_install.py builds one without
+  # build isolation; older torch releases do not pull a recent setuptools in themselves)
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q "torch==$VERSION" "setuptools>=68" wheel
+  # torch is installed first and held there by a constraint, so resolving the extras keeps it
+  # (a client that needs a newer torch resolves to an older release of that client instead).
+  echo "torch==$VERSION" > "$VENV/torch-constraint.txt"
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -c "$VENV/torch-constraint.txt" \
+    -e ".[dev,clients]"
   echo "$want_stamp" > "$VENV/.fullshard-stamp"
 fi
 # The cached venv may have been made from another clone: point fullshard at this one.

@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from fullshard import CommPolicy, CPUOffloadPolicy, count_collectives, fully_shard
+from fullshard.engine.compat import DataParallelMeshDims
 from parity import DIM, VOCAB, full_state
 
 

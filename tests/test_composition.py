@@ -25,6 +25,7 @@ import composition_cases
 from composition_cases import BlockNet, block_net
 from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_, count_collectives, fully_shard
+from fullshard.engine.compat import DP_MESH_DIMS
 from fullshard.testing import run_distributed
 from parity import GLOBAL_BATCH, batch, full_state, loss_fn, make_net, make_optimizer, shard_net
 from test_composition_extra import BitsGather
@@ -115,9 +116,10 @@ def _four_ranks(path: str) -> dict:
     _compare("tp_fsdp", losses, ref_losses, out["saved"], ref_state, out)
     ckpt.save(path, model=model)
     composition_cases.tp_variants_case(out, mesh, (ref_losses, ref_state))
-    composition_cases.dp_mesh_dims_case(out)
-    composition_cases.per_param_mesh_case(out)
-    composition_cases.spmd_forms_case(out)
+    if DP_MESH_DIMS.available:  # torch 2.12: the full-SPMD mesh form, per-parameter meshes
+        composition_cases.dp_mesh_dims_case(out)
+        composition_cases.per_param_mesh_case(out)
+        composition_cases.spmd_forms_case(out)
     # A sub-mesh from a subgroup: ranks {0, 1} and {2, 3} each train the whole model.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     trio = dist.new_group([0, 1, 2])  # every rank creates every group
@@ -196,6 +198,45 @@ def _check(out: dict, name: str) -> None:
     assert w_err < WEIGHT_TOL, (name, w_err)
 
 
+def _check_spmd_forms(r: dict) -> None:
+    """The full-SPMD mesh form and per-parameter meshes (torch 2.12), against FSDP2."""
+    # dp_mesh_dims: sharded on the full (dp, tp) mesh, as torch FSDP2 shards it.
+    for name in ("spmd", "spmd_fsdp2"):
+        _check(r, name)
+        assert r[f"{name}_placements"] == (
+            ("dp", "tp"),
+            [("_StridedShard", 0), ("Shard", 0)],
+        )
+    assert r["spmd_losses"] == r["spmd_fsdp2_losses"]
+    # Per-parameter mesh: experts on (ep_replicate, ep_shard), the rest on 4 ranks.
+    for name in ("per_param_mesh", "per_param_mesh_fsdp2"):
+        _check(r, name)
+        assert r[f"{name}_experts"] == (
+            ("ep_replicate", "ep_shard"),
+            ["Replicate", "Shard"],
+        )
+    hsdp_beside_flat = [
+        ("all_gather", 2),
+        ("all_gather", 4),
+        ("all_reduce", 2),
+        ("reduce_scatter", 2),
+        ("reduce_scatter", 4),
+    ]
+    assert r["per_param_mesh_groups"] == hsdp_beside_flat
+    # dp_mesh_dims' HSDP (replicate=) and flattened forms on a full (r, s) mesh, each
+    # beside experts given the other form by shard_placement_fn: as torch FSDP2 does.
+    hsdp = ("r", "s"), [("Replicate", None), ("Shard", 0)]
+    flat = ("r_s",), [("Shard", 0)]
+    for form, dense, experts in (("hsdp", hsdp, flat), ("flat", flat, hsdp)):
+        ours, fsdp2 = f"spmd_{form}", f"spmd_{form}_fsdp2"
+        _check(r, ours)
+        _check(r, fsdp2)
+        assert r[f"{ours}_placements"] == (dense, experts), r[f"{ours}_placements"]
+        assert r[f"{fsdp2}_placements"] == (dense, experts), r[f"{fsdp2}_placements"]
+        assert r[f"{ours}_groups"] == hsdp_beside_flat
+        assert r[f"{ours}_losses"] == r[f"{fsdp2}_losses"], form
+
+
 def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/ckpt"
@@ -207,41 +248,8 @@ def test_tp_fsdp_submesh_shard_dim_and_casts() -> None:
             # The all-gather extension on TP weights: their bytes go on the wire as int32.
             _check(r, "tp_extension")
             assert r["tp_extension_gather_dtypes"] == ["torch.float32", "torch.int32"]
-            # dp_mesh_dims: sharded on the full (dp, tp) mesh, as torch FSDP2 shards it.
-            for name in ("spmd", "spmd_fsdp2"):
-                _check(r, name)
-                assert r[f"{name}_placements"] == (
-                    ("dp", "tp"),
-                    [("_StridedShard", 0), ("Shard", 0)],
-                )
-            assert r["spmd_losses"] == r["spmd_fsdp2_losses"]
-            # Per-parameter mesh: experts on (ep_replicate, ep_shard), the rest on 4 ranks.
-            for name in ("per_param_mesh", "per_param_mesh_fsdp2"):
-                _check(r, name)
-                assert r[f"{name}_experts"] == (
-                    ("ep_replicate", "ep_shard"),
-                    ["Replicate", "Shard"],
-                )
-            hsdp_beside_flat = [
-                ("all_gather", 2),
-                ("all_gather", 4),
-                ("all_reduce", 2),
-                ("reduce_scatter", 2),
-                ("reduce_scatter", 4),
-            ]
-            assert r["per_param_mesh_groups"] == hsdp_beside_flat
-            # dp_mesh_dims' HSDP (replicate=) and flattened forms on a full (r, s) mesh, each
-            # beside experts given the other form by shard_placement_fn: as torch FSDP2 does.
-            hsdp = ("r", "s"), [("Replicate", None), ("Shard", 0)]
-            flat = ("r_s",), [("Shard", 0)]
-            for form, dense, experts in (("hsdp", hsdp, flat), ("flat", flat, hsdp)):
-                ours, fsdp2 = f"spmd_{form}", f"spmd_{form}_fsdp2"
-                _check(r, ours)
-                _check(r, fsdp2)
-                assert r[f"{ours}_placements"] == (dense, experts), r[f"{ours}_placements"]
-                assert r[f"{fsdp2}_placements"] == (dense, experts), r[f"{fsdp2}_placements"]
-                assert r[f"{ours}_groups"] == hsdp_beside_flat
-                assert r[f"{ours}_losses"] == r[f"{fsdp2}_losses"], form
+            if DP_MESH_DIMS.available:  # torch 2.12
+                _check_spmd_forms(r)
         # Shard(-1) on 2 ranks ({0, 1}) and uneven on 3 ({0, 1, 2}), with the extension.
         assert [r["local_shape_2"] for r in four[:2]] == [(7, 5), (7, 5)]
         assert [r["local_shape_3"] for r in four[:3]] == [(7, 4), (7, 4), (7, 2)]

@@ -13,15 +13,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from fullshard import fully_shard
+from fullshard.engine.compat import DP_MESH_DIMS, DataParallelMeshDims
 from fullshard.testing import run_distributed
 from test_composition_extra import _GatherExt
+from torch_versions import needs
 
 DIM = 16
 ENGINES: dict[str, Callable[..., Any]] = {"fullshard": fully_shard, "fsdp2": torch_fully_shard}
@@ -350,12 +352,13 @@ CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "optimizer_in_backward": _optimizer_in_backward,
     "output_dtype_under_recompute": _output_dtype_under_recompute,
     "process_group_allocator": _process_group_allocator,
-    "mesh_dims_errors": _mesh_dims_errors,
     "comm_debug_mode": _comm_debug_mode,
     "forward_mode_ad": _forward_mode_ad,
     "unshard_before_forward": _unshard_before_forward,
     "extension_out_storage": _extension_out_storage,
 }
+if DP_MESH_DIMS.available:  # torch 2.12
+    CASES["mesh_dims_errors"] = _mesh_dims_errors
 ONE_RANK_CASES = {"divide_factor_one_rank": _divide_factor_one_rank}
 
 
@@ -415,6 +418,7 @@ def test_same_as_fsdp2(case: str, two_ranks) -> None:
         assert ours["seen"] == [torch.float32, torch.float32]
 
 
+@needs(DP_MESH_DIMS)
 def test_dp_mesh_dims_errors_are_fsdp2s(two_ranks) -> None:
     ours, theirs = (
         two_ranks[("mesh_dims_errors", "fullshard")],

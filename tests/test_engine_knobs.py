@@ -15,6 +15,7 @@ from fullshard import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from fullshard.engine.compat import STORAGE_SWAP
 from fullshard.engine.events import record_events
 from fullshard.testing import run_distributed
 from parity import (
@@ -170,7 +171,8 @@ def test_knobs_and_bad_input() -> None:
     # forward gathers nothing; its backward regathers the 3 blocks (resharded after forward):
     # (4 + 3) + (0 + 3) instead of 2 x (4 + 3)
     # (all-gathers + gathers that took back their unit's pooled memory instead)
-    assert all(sum(g) == 10 and g[1] > 0 for g in r["rab_gathers"]), r["rab_gathers"]
+    # (no pool before torch 2.12: every gather is an all-gather)
+    assert all(sum(g) == 10 and (g[1] > 0) == STORAGE_SWAP for g in r["rab_gathers"])
     # second step (the first records the order): every probe saw the neighbour's gather live
     assert r["prefetch_in_flight"] == [
         ("bwd1", True),

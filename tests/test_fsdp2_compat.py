@@ -21,13 +21,19 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _Torc
 
 import fullshard
 from fullshard import FullyShardError, fully_shard
-from fullshard.engine.compat import PIPELINING_USES_FINALIZE_BACKWARD
+from fullshard.engine.compat import (
+    DP_MESH_DIMS,
+    FSDP_MODULE_METHODS_SINCE,
+    PIPELINING_USES_FINALIZE_BACKWARD,
+    SHARE_COMM_CTX,
+)
 from fullshard.engine.events import record_events
 from fullshard.engine.hooks import FSDPState
 from fullshard.engine.state import TrainingState
 from fullshard.testing import run_distributed
 from parity import reused_gathers
 from test_composition_extra import BitsGather
+from torch_versions import has_method
 
 _TORCH_FULLY_SHARD = tfsdp.fully_shard
 VAR_POSITIONAL, VAR_KEYWORD = inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
@@ -39,7 +45,10 @@ def test_every_public_fsdp2_method_is_overridden() -> None:
         for n, v in vars(tfsdp.FSDPModule).items()
         if callable(v) and (not n.startswith("__") or n == "__new__")
     }
-    assert {"reset_iter_state", "set_symm_mem_for_comm", "_set_unshard_async_op"} <= torch_names
+    assert "_set_unshard_async_op" in torch_names
+    # compat's table of methods newer than the oldest torch is right for the installed torch
+    for name in FSDP_MODULE_METHODS_SINCE:
+        assert (name in torch_names) == has_method(name), name
     missing = sorted(n for n in torch_names if n not in vars(fullshard.FSDPModule))
     assert not missing, f"torch's FSDPModule methods would run torch's engine: {missing}"
     # called as FSDP2's are: the same parameters (names, kinds, defaults; types may widen)
@@ -85,7 +94,8 @@ def test_patch_torch_fsdp_everywhere_idempotent_undo() -> None:
             else:
                 assert not hasattr(stage, "fully_shard")
             assert tfsdp.register_fsdp_forward_method is fullshard.register_fsdp_forward_method
-            assert tfsdp.share_comm_ctx is fullshard.share_comm_ctx
+            if SHARE_COMM_CTX.available:  # torch 2.10
+                assert tfsdp.share_comm_ctx is fullshard.share_comm_ctx
             assert fake.fully_shard is fully_shard
             assert fake.other_name is _TORCH_FULLY_SHARD
             n = len(handle.modules)
@@ -202,12 +212,13 @@ def _identity_and_validation() -> None:
     named = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     fully_shard(nn.Linear(2, 2), mesh=named)
     fully_shard(nn.Linear(2, 2), dp_mesh_dims=None)
-    dims = tfsdp.DataParallelMeshDims(shard="dp")
-    with pytest.raises(ValueError, match="pass that mesh as mesh="):
-        fully_shard(nn.Linear(2, 2), dp_mesh_dims=dims)
-    spmd = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    with pytest.raises(ValueError, match=r"must be a DTensor on the full SPMD mesh.*'weight'"):
-        fully_shard(nn.Linear(2, 2), mesh=spmd, dp_mesh_dims=dims)  # plain parameters
+    if DP_MESH_DIMS.available:  # torch 2.12
+        dims = tfsdp.DataParallelMeshDims(shard="dp")
+        with pytest.raises(ValueError, match="pass that mesh as mesh="):
+            fully_shard(nn.Linear(2, 2), dp_mesh_dims=dims)
+        spmd = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(ValueError, match=r"must be a DTensor on the full SPMD mesh.*'weight'"):
+            fully_shard(nn.Linear(2, 2), mesh=spmd, dp_mesh_dims=dims)  # plain parameters
 
     # torch's policy objects, as frameworks build them
     lin = nn.Linear(4, 4)
@@ -244,9 +255,14 @@ def _methods() -> dict[str, Any]:
     out["default"] = [p.grad.full_tensor() for p in m.parameters()]
 
     # the defaults are accepted; bad arguments refused clearly
-    model.set_reduce_scatter_unused_params(False)
-    model.set_separate_reduce_scatter_group(False)
-    model.set_reduce_scatter_max_input_buffers(1)
+    if has_method("set_reduce_scatter_max_input_buffers"):  # torch 2.13
+        model.set_reduce_scatter_unused_params(False)
+        model.set_separate_reduce_scatter_group(False)
+        model.set_reduce_scatter_max_input_buffers(1)
+        with pytest.raises(TypeError, match="int"):
+            model.set_reduce_scatter_max_input_buffers(True)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="positive"):
+            model.set_reduce_scatter_max_input_buffers(0)
     model.set_allocate_memory_from_process_group_for_comm(False)
     model._set_unshard_async_op(True)
     model._set_unshard_async_op(False)
@@ -256,28 +272,27 @@ def _methods() -> dict[str, Any]:
         model.set_custom_reduce_scatter(lambda *a: None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="callable"):
         model.set_all_reduce_hook(3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="int"):
-        model.set_reduce_scatter_max_input_buffers(True)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="positive"):
-        model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(TypeError, match="bool"):
         model._set_unshard_async_op("yes")  # type: ignore[arg-type]
     # on a CPU unit the process group's allocator is torch.empty (gloo has none): accepted,
     # nothing changes (as FSDP2); symmetric memory needs CUDA
     model.set_allocate_memory_from_process_group_for_comm(True)
     assert model._get_fsdp_state().group.overrides.all_gather is None
-    with pytest.raises(
-        RuntimeError, match=r"on unit 'Sequential \(root\)'.*needs CUDA and an NCCL"
-    ):
-        model.set_symm_mem_for_comm()
-    assert model._get_fsdp_state().group.overrides.all_gather is None  # nothing was set
-    with pytest.raises(ValueError, match="NCCL"):
-        model.set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
+    if has_method("set_symm_mem_for_comm"):  # torch 2.12
+        with pytest.raises(
+            RuntimeError, match=r"on unit 'Sequential \(root\)'.*needs CUDA and an NCCL"
+        ):
+            model.set_symm_mem_for_comm()
+        assert model._get_fsdp_state().group.overrides.all_gather is None  # nothing was set
+        with pytest.raises(ValueError, match="NCCL"):
+            model.set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="no streams or events"):
         model.set_post_optim_event(torch.Event("cpu"))
     # prefetch lists and share_comm_ctx take units only
     with pytest.raises(ValueError, match="FSDPModule"):
         model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])  # type: ignore[list-item]
+    if not SHARE_COMM_CTX.available:  # torch 2.9
+        return out
     with pytest.raises(ValueError, match="FSDPModule"):
         fullshard.share_comm_ctx([nn.Linear(2, 2)])  # type: ignore[list-item]
     # share_comm_ctx: the roots use one set of streams (before their first forward)
@@ -647,15 +662,16 @@ def _separate_reduce_group() -> dict[str, Any]:
 def _compat_cases() -> dict[str, Any]:
     _identity_and_validation()
     out = _methods()
-    out["reset"] = _reset_cases()
     out["unshard_in_backward"] = _unshard_in_backward()
     out["custom_comms"] = _custom_comms()
     out["custom_comms_ext"] = _custom_comms(ExtBlock)
-    out["backend_buffers"] = _backend_buffers()
     out["hooks"] = _all_reduce_hooks()
-    out["unused"] = _unused_params()
-    out["max_input_buffers"] = _max_input_buffers()
-    out["separate"] = _separate_reduce_group()
+    if has_method("reset_iter_state"):  # torch 2.13's methods
+        out["reset"] = _reset_cases()
+        out["backend_buffers"] = _backend_buffers()
+        out["unused"] = _unused_params()
+        out["max_input_buffers"] = _max_input_buffers()
+        out["separate"] = _separate_reduce_group()
     return out
 
 
@@ -676,7 +692,8 @@ def test_fsdp2_behaviour_on_two_ranks() -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         for a, b in zip(r["set_gradient_divide_factor"], r["default"]):
             torch.testing.assert_close(a, 2 * b)
-        assert r["reset"]["failing"] == r["reset"]["clean"], r["reset"]
+        if has_method("reset_iter_state"):
+            assert r["reset"]["failing"] == r["reset"]["clean"], r["reset"]
         (loss_on, gathers_on, w_on), (loss_off, gathers_off, w_off) = (
             r["unshard_in_backward"][True],
             r["unshard_in_backward"][False],
@@ -715,10 +732,6 @@ def _check_overrides(r: dict[str, Any]) -> None:
     assert ours["all_gather"]["calls"] == theirs["all_gather"]["calls"] + 4 == 18
     assert ours["reduce_scatter"]["calls"] == theirs["reduce_scatter"]["calls"] == 8
 
-    bb = r["backend_buffers"]
-    _same_run(bb["process_group"], cc["default"])
-    assert bb["algorithms"] == {("all_gather", "custom"), ("reduce_scatter", "custom")}
-
     hooks = r["hooks"]
     for ours, theirs, default in zip(
         hooks["fullshard", "scaled"], hooks["torch", "scaled"], hooks["default"]
@@ -737,6 +750,11 @@ def _check_overrides(r: dict[str, Any]) -> None:
         torch.testing.assert_close(ours, default, rtol=0, atol=1e-7)  # still the mean
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
 
+    if not has_method("reset_iter_state"):  # the rest are torch 2.13's methods
+        return
+    bb = r["backend_buffers"]
+    _same_run(bb["process_group"], cc["default"])
+    assert bb["algorithms"] == {("all_gather", "custom"), ("reduce_scatter", "custom")}
     unused = r["unused"]
     _same_run(unused["fullshard"], unused["reference"], atol=1e-6)
     _same_run(unused["fullshard"], unused["torch"], atol=1e-6)

@@ -25,6 +25,7 @@ from parity import (
     shard_net,
     sharded_step,
 )
+from torch_versions import needs_method
 
 STEPS, MICRO = 3, 2
 
@@ -125,6 +126,7 @@ def _worker() -> dict:
     return out
 
 
+@needs_method("finalize_backward", "set_keep_unsharded_storage", "reset_iter_state")
 def test_manual_finalization_and_keep_storage() -> None:
     ref_losses, ref_state = reference_run(STEPS)
     r = run_distributed(_worker, 2, timeout=300)[0]

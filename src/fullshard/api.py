@@ -25,10 +25,15 @@ import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Placement
 
-from .engine.compat import check_supported
+from .engine.compat import (
+    DP_MESH_DIMS,
+    SHARE_COMM_CTX,
+    DataParallelMeshDims,
+    check_supported,
+    require,
+)
 from .engine.group import ParamGroup
 from .engine.hooks import STATE_ATTR, FSDPState, states_under
 from .engine.init import check_reshard_after_forward, claim_params
@@ -145,6 +150,7 @@ def fully_shard(
     for m in modules:
         _check_module(m)
     if dp_mesh_dims is not None:
+        require(DP_MESH_DIMS)
         if not isinstance(dp_mesh_dims, DataParallelMeshDims):
             raise TypeError(
                 f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got "
@@ -277,6 +283,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     Call it after ``fully_shard`` and before the first forward; on the CPU there are no
     streams, so it only validates ``modules``.
     """
+    require(SHARE_COMM_CTX)
     _check_fsdp_modules(modules, "share_comm_ctx")
     states = [_state(cast(nn.Module, m)) for m in modules]
     if not states:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from .engine.compat import require_method
 from .engine.finalize import (
     GradientReductionHandle,
     finalize_backward,
@@ -165,6 +166,7 @@ class FSDPModule(_TorchFSDPModule):
         with gradient sync off) and clears the per-iteration state, so the next iteration runs
         normally. Raises ``RuntimeError`` on a non-root unit.
         """
+        require_method("reset_iter_state")
         root = _state(cast(nn.Module, self))
         if root.ctx is None:  # no forward ran yet: nothing to reset
             return
@@ -193,6 +195,7 @@ class FSDPModule(_TorchFSDPModule):
         graph capture needs), at the cost of holding it between uses; resharding then only
         registers the sharded parameters again. Default ``False``: resharding frees it.
         """
+        require_method("set_keep_unsharded_storage")
         if not isinstance(keep, bool):
             raise TypeError(f"keep must be a bool, got {type(keep).__name__}")
         for st in self._states(recurse):
@@ -203,6 +206,7 @@ class FSDPModule(_TorchFSDPModule):
         """Whether the caller ends each backward iteration with :meth:`finalize_backward`
         (call on the root, before the forward; torch 2.15's FSDP2). See [Note: manual backward
         finalization] in ``fullshard.engine.finalize``; it supersedes :meth:`set_is_last_backward`."""
+        require_method("set_manual_backward_finalization")
         set_manual_backward_finalization(_state(cast(nn.Module, self)), enabled)
 
     @overload
@@ -223,6 +227,7 @@ class FSDPModule(_TorchFSDPModule):
         returns a :class:`GradientReductionHandle`; call its ``wait()`` before reading the
         gradients or starting the next iteration.
         """
+        require_method("finalize_backward")
         return finalize_backward(_state(cast(nn.Module, self)), async_op)
 
     # --------------------------------------------------------------- gradient knobs
@@ -298,6 +303,7 @@ class FSDPModule(_TorchFSDPModule):
         rank, so their reductions do not overlap backward compute (see
         [Note: unused parameters] in ``fullshard.engine.reduce``).
         """
+        require_method("set_reduce_scatter_unused_params")
         for st in self._states(recurse):
             if reduce_scatter_unused_params:
                 _check_collectives(st, "set_reduce_scatter_unused_params(True)")
@@ -314,6 +320,7 @@ class FSDPModule(_TorchFSDPModule):
         the next unit's post-backward, at the cost of peak memory. The root's units share one
         cap, the largest any of them was given (as FSDP2).
         """
+        require_method("set_reduce_scatter_max_input_buffers")
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
@@ -344,6 +351,7 @@ class FSDPModule(_TorchFSDPModule):
         reaches (typically one), reused by later calls; only its members take part in
         creating it, but every member must make the call, like any collective setup.
         """
+        require_method("set_separate_reduce_scatter_group")
         states = self._states(recurse)
         if not enable:
             for st in states:
@@ -495,6 +503,7 @@ class FSDPModule(_TorchFSDPModule):
         :meth:`set_allocate_memory_from_process_group_for_comm`. Call it on every rank of
         the unit's groups (it synchronises them once).
         """
+        require_method("set_symm_mem_for_comm")
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
         state = _state(cast(nn.Module, self))

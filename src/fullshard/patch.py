@@ -56,8 +56,9 @@ def _originals() -> dict[int, tuple[str, Any]]:
     }
     if not _TORCH_FUNCS:
         torch_api = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
-        _TORCH_FUNCS.update({n: getattr(torch_api, n) for n in _NAMES})
-    return {id(_TORCH_FUNCS[n]): (n, ours[n]) for n in _NAMES}
+        # share_comm_ctx arrived in torch 2.10: patch only what the installed torch has
+        _TORCH_FUNCS.update({n: getattr(torch_api, n) for n in _NAMES if hasattr(torch_api, n)})
+    return {id(f): (n, ours[n]) for n, f in _TORCH_FUNCS.items()}
 
 
 @dataclass
@@ -145,7 +146,9 @@ class _StateView:
 
     def __init__(self, state: FSDPState) -> None:
         self._state = state
-        self._fsdp_param_groups = [_GroupView(state)]
+        self._fsdp_param_groups = [_GroupView(state)]  # what torch 2.12+'s stage reads
+        # torch 2.9-2.11's stage reads one group, None for a unit without parameters
+        self._fsdp_param_group = _GroupView(state) if state.group.params else None
 
     def _ctx(self) -> StepContext[FSDPState]:
         return self._state.ctx or self._state.lazy_init()

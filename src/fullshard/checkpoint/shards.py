@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..engine.compat import root_mesh
 from .manifest import CheckpointError
 
 __all__ = [
@@ -126,7 +127,7 @@ def _first_replica(mesh: DeviceMesh) -> bool:
     A DTensor on a sub-mesh (``mesh["dp"]`` of a ``(dp, tp)`` mesh, e.g. a norm weight under
     TP x FSDP) is replicated over the root mesh's other dims: coordinate 0 there writes.
     """
-    root = mesh._get_root_mesh()
+    root = root_mesh(mesh)
     names = mesh.mesh_dim_names or ()
     if root is mesh or root.mesh_dim_names is None:
         return True

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .compat import STORAGE_SWAP, STORAGE_USE_COUNT
+
 __all__ = [
     "CPU_CHOICES",
     "P2P_MAX_RANKS",
@@ -158,7 +160,7 @@ def _choose(device_type: str, backend: str, off: frozenset[str]) -> BackendPlan:
     gloo = cpu and backend == "gloo"
     # recycling swaps storages' memory (a private torch API, checked once); lending a slab
     # needs storage use counts too
-    swap = cpu and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    swap = cpu and STORAGE_SWAP
     pool = swap and "buffer_pool" not in off
     return BackendPlan(
         device_type,
@@ -167,6 +169,6 @@ def _choose(device_type: str, backend: str, off: frozenset[str]) -> BackendPlan:
         p2p_collectives=gloo and "p2p_collectives" not in off,
         window_bytes=SMALL_UNIT_WINDOW_BYTES if cpu and "small_unit_window" not in off else 0,
         buffer_pool=pool,
-        grad_slabs=pool and hasattr(torch._C, "_storage_Use_Count") and "grad_slabs" not in off,
+        grad_slabs=pool and STORAGE_USE_COUNT and "grad_slabs" not in off,
         streams=device_type == "cuda",
     )

@@ -13,28 +13,56 @@ no other module looks at ``torch.__version__``. What changed, by release:
   ``reduce_dtype=None`` gradients are reduced in the parameter's ``grad_dtype`` (its own dtype
   unless set) instead of ``param_dtype``.
 - 2.14: nothing FSDP2 users can observe (its FSDP2 sources equal 2.13's).
+- 2.13: ``FSDPModule`` gained ``reset_iter_state``, ``set_reduce_scatter_max_input_buffers``,
+  ``set_reduce_scatter_unused_params`` and ``set_separate_reduce_scatter_group``.
+- 2.12: ``UntypedStorage._swap_data_ptr_`` (what the CPU buffer pool recycles memory with: on
+  older torch the pool and gradient slabs are off, the CPU path gathers into fresh memory).
+- 2.12: ``DataParallelMeshDims`` and ``fully_shard(..., dp_mesh_dims=...)`` (the full-SPMD mesh
+  form), ``ShardPlacementResult`` (a parameter on its own mesh) and
+  ``FSDPModule.set_symm_mem_for_comm``.
+- 2.12: torch's pipelining stage reads ``state._fsdp_param_groups`` of ``fully_shard.state(...)``;
+  2.9 to 2.11 read ``state._fsdp_param_group`` (``fullshard.patch`` answers both).
+- 2.10: ``share_comm_ctx``; ``DeviceMesh._get_root_mesh()`` (2.9 asks ``_mesh_resources``).
+
+A feature the installed torch lacks is refused where it is used (:func:`require`), in one line
+naming the feature and the torch that has it; everything else runs with FSDP2's semantics of
+the installed torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.fsdp as _tfsdp
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "DP_MESH_DIMS",
+    "FSDP_MODULE_METHODS_SINCE",
     "MP_HAS_PARAM_DTYPE_OVERRIDE",
+    "PER_PARAMETER_MESH",
     "PIPELINING_USES_FINALIZE_BACKWARD",
     "REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE",
+    "SHARE_COMM_CTX",
+    "STORAGE_SWAP",
+    "STORAGE_USE_COUNT",
     "SUPPORTED_TORCH",
     "TORCH_VERSION",
+    "DataParallelMeshDims",
+    "TorchFeature",
     "TorchGradientReductionHandle",
+    "UnsupportedByTorchError",
     "check_supported",
+    "require",
+    "require_method",
+    "root_mesh",
 ]
 
 #: The torch releases fullshard supports: ``(oldest, first unsupported)`` as (major, minor).
-SUPPORTED_TORCH = ((2, 13), (2, 16))
+SUPPORTED_TORCH = ((2, 9), (2, 16))
 
 
 def _parse(version: str) -> tuple[int, int]:
@@ -60,6 +88,12 @@ MP_HAS_PARAM_DTYPE_OVERRIDE = "param_dtype_override_fn" in {
 #: than in ``param_dtype`` (2.14 and older).
 REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE = TORCH_VERSION >= (2, 15)
 
+#: ``UntypedStorage._swap_data_ptr_`` exists (torch 2.12): the CPU buffer pool can recycle memory.
+STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+#: ``torch._C._storage_Use_Count`` exists: gradient slabs can tell when a storage is free.
+STORAGE_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
+
 #: torch's pipelining finishes a stage's backward with ``finalize_backward`` (2.15) rather than
 #: through ``fully_shard.state(module)`` (2.14 and older; see ``fullshard.patch``).
 PIPELINING_USES_FINALIZE_BACKWARD = TORCH_VERSION >= (2, 15)
@@ -75,3 +109,89 @@ def check_supported() -> str | None:
         f"{torch.__version__} is installed. Install a supported torch (pip install "
         f"'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}') or report what breaks"
     )
+
+
+class UnsupportedByTorchError(NotImplementedError):
+    """A feature of FSDP2 that the installed torch does not have yet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchFeature:
+    """A feature FSDP2 gained in torch ``since``, named as its users meet it (``what``)."""
+
+    what: str
+    since: tuple[int, int]
+
+    @property
+    def available(self) -> bool:
+        """Whether the installed torch has it."""
+        return TORCH_VERSION >= self.since
+
+
+def require(feature: TorchFeature) -> None:
+    """Refuse ``feature`` in one line if the installed torch does not have it."""
+    if feature.available:
+        return
+    major, minor = feature.since
+    raise UnsupportedByTorchError(
+        f"{feature.what} needs torch {major}.{minor} or newer (FSDP2 has it from {major}.{minor}); "
+        f"torch {torch.__version__} is installed: upgrade torch (pip install "
+        f"'torch>={major}.{minor}') or do without it"
+    )
+
+
+#: ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(...))``, FSDP2's full-SPMD mesh form.
+DP_MESH_DIMS = TorchFeature("fully_shard(..., dp_mesh_dims=...) (the full-SPMD mesh form)", (2, 12))
+
+#: ``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult`` (a parameter on its mesh).
+PER_PARAMETER_MESH = TorchFeature(
+    "shard_placement_fn returning a ShardPlacementResult (a parameter on its own mesh)", (2, 12)
+)
+
+#: ``share_comm_ctx(modules)``: several roots share one set of communication streams.
+SHARE_COMM_CTX = TorchFeature("share_comm_ctx", (2, 10))
+
+#: The ``FSDPModule`` methods newer than the oldest supported torch, and the torch that added
+#: each; fullshard's ``FSDPModule`` refuses them on an older torch (:func:`require_method`).
+FSDP_MODULE_METHODS_SINCE: dict[str, tuple[int, int]] = {
+    "set_symm_mem_for_comm": (2, 12),
+    "reset_iter_state": (2, 13),
+    "set_reduce_scatter_max_input_buffers": (2, 13),
+    "set_reduce_scatter_unused_params": (2, 13),
+    "set_separate_reduce_scatter_group": (2, 13),
+    "finalize_backward": (2, 15),
+    "set_keep_unsharded_storage": (2, 15),
+    "set_manual_backward_finalization": (2, 15),
+}
+
+
+def require_method(name: str) -> None:
+    """Refuse ``FSDPModule.<name>`` if the installed torch's ``FSDPModule`` does not have it."""
+    since = FSDP_MODULE_METHODS_SINCE.get(name)
+    if since is not None:
+        require(TorchFeature(f"FSDPModule.{name}", since))
+
+
+class _NoDataParallelMeshDims:
+    """Stands for ``DataParallelMeshDims`` where torch lacks it: nothing is an instance of it."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        require(DP_MESH_DIMS)
+
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import DataParallelMeshDims
+else:
+    #: torch's ``DataParallelMeshDims`` (2.12); on older torch a stand-in that refuses itself.
+    DataParallelMeshDims = getattr(_tfsdp, "DataParallelMeshDims", _NoDataParallelMeshDims)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if none): ``DeviceMesh._get_root_mesh()``
+    from torch 2.10, the mesh resources' ``get_root_mesh`` on 2.9."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    from torch.distributed.device_mesh import _mesh_resources  # type: ignore[attr-defined]
+
+    return _mesh_resources.get_root_mesh(mesh)

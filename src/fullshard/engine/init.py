@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .compat import PER_PARAMETER_MESH, require, root_mesh
 from .group import ParamGroup
 from .mesh import MeshInfo, mesh_info, mesh_info_from_dims
 from .param import ShardedParam
@@ -131,6 +132,7 @@ def _resolve_placement(
     """
     if result is None or isinstance(result, Shard):
         return result, info
+    require(PER_PARAMETER_MESH)
     result_info = getattr(result, "mesh_info", None)
     mesh = getattr(result_info, "mesh", None)
     placement = getattr(result, "placement", None)
@@ -200,7 +202,7 @@ def _check_foreign_dtensor(p: DTensor, fqn: str, m: nn.Module, info: MeshInfo) -
             f"over: apply fully_shard bottom-up (each block first, then the root), and pass "
             f"the data-parallel sub-mesh (mesh['dp']) when parameters are tensor-parallel"
         )
-    if mesh._get_root_mesh() != info.mesh._get_root_mesh():
+    if root_mesh(mesh) != root_mesh(info.mesh):
         raise ValueError(
             f"parameter {fqn!r} is a DTensor on mesh {mesh} that is not part of the same "
             f"device mesh as fully_shard's {info.mesh}: take both as sub-meshes of one "

@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .backend import serving_backend
+from .compat import DataParallelMeshDims
 
 __all__ = ["MeshInfo", "SpmdDims", "default_mesh", "mesh_info", "mesh_info_from_dims"]
 
