@@ -71,7 +71,7 @@ def test_plans_per_device_and_backend() -> None:
     assert off["p2p_collectives"].algorithm("all_gather", 2, 1 << 30) == "all_gather"
     assert off["small_unit_window"].window_bytes == 0
     assert not off["buffer_pool"].buffer_pool and not off["buffer_pool"].grad_slabs
-    assert not off["grad_slabs"].grad_slabs and off["grad_slabs"].buffer_pool
+    assert not off["grad_slabs"].grad_slabs and off["grad_slabs"].buffer_pool == STORAGE_SWAP
     with pytest.raises(ValueError, match=r"\['windows'\].*choose from"):
         CommPolicy(cpu_fast_paths_off=("windows",))
 

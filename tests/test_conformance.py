@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from fullshard import fully_shard
-from fullshard.engine.compat import DP_MESH_DIMS, DataParallelMeshDims
+from fullshard.engine.compat import DP_MESH_DIMS, TORCH_VERSION, DataParallelMeshDims
 from fullshard.testing import run_distributed
 from test_composition_extra import _GatherExt
 from torch_versions import needs
@@ -208,7 +208,10 @@ def _comm_debug_mode(shard: Callable[..., Any]) -> dict[str, Any]:
 
 def _forward_mode_ad(shard: Callable[..., Any]) -> dict[str, Any]:
     """torch.func.jvp through a sharded forward (FSDP2 supports it since torch 2.13), then
-    a training step as usual; the primal and tangent equal the unsharded model's."""
+    a training step as usual; the primal and tangent equal the unsharded model's. fullshard
+    does it on every supported torch; FSDP2 before 2.13 fails in its all-gather copy-out."""
+    if shard is torch_fully_shard and TORCH_VERSION < (2, 13):
+        return {"fsdp2_fails": True}
     model, ref = _mlp(seed=3), _mlp(seed=3)
     for lin in model:
         shard(lin)
@@ -404,6 +407,9 @@ def _same(ours: Any, theirs: Any, where: str) -> None:
 )
 def test_same_as_fsdp2(case: str, two_ranks) -> None:
     ours, theirs = two_ranks[(case, "fullshard")], two_ranks[(case, "fsdp2")]
+    if theirs.get("fsdp2_fails"):  # ours was checked against the unsharded model
+        assert set(ours) == {"primal", "tangent", "grads"}, ours.keys()
+        return
     _same(ours, theirs, case)
     if case == "optimizer_in_backward":  # the hooks ran: every parameter, every step
         assert len(ours["calls"]) == 3 * 6 and all(ours["grads_left"])

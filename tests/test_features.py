@@ -313,7 +313,8 @@ def test_hsdp_offload_clip_divide() -> None:
         order = r[f"hsdp-{t}"][3]
         issues = [u for k, u in order if k == "reduce_issue"]
         assert len(issues) == 4, order
-        for unit, after in itertools.pairwise(issues):
+        capped = has_method("set_reduce_scatter_max_input_buffers")  # no cap before torch 2.13
+        for unit, after in itertools.pairwise(issues if capped else ()):
             at = order.index
             assert at(("allreduce_issue", unit)) < at(("reduce_issue", after)), (t, order)
             assert at(("reduce_issue", after)) < at(("reduce_wait", unit)), (t, order)

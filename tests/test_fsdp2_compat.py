@@ -26,6 +26,9 @@ from fullshard.engine.compat import (
     FSDP_MODULE_METHODS_SINCE,
     PIPELINING_USES_FINALIZE_BACKWARD,
     SHARE_COMM_CTX,
+    STORAGE_SWAP,
+    all_gather_single,
+    reduce_scatter_single,
 )
 from fullshard.engine.events import record_events
 from fullshard.engine.hooks import FSDPState
@@ -371,7 +374,7 @@ class _CountingAllGather(_Counting, _TorchAllGather):
         async_op: bool = False,
     ) -> Any:
         self._count(output_tensor)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CountingReduceScatter(_Counting, _TorchReduceScatter):
@@ -384,7 +387,7 @@ class _CountingReduceScatter(_Counting, _TorchReduceScatter):
         async_op: bool = False,
     ) -> Any:
         self._count(input_tensor)
-        return dist.reduce_scatter_single(
+        return reduce_scatter_single(
             output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
         )
 
@@ -711,7 +714,7 @@ def _check_overrides(r: dict[str, Any]) -> None:
     _same_run(cc["fullshard"], cc["torch"], atol=1e-6)
     # every collective went through the custom comms: the traffic fullshard counts by default,
     # with the gathers the default run took back from its pool
-    assert cc["default_reused"] > 0
+    assert (cc["default_reused"] > 0) == STORAGE_SWAP  # no pool before torch 2.12
     assert cc["fullshard"]["comms"] == cc["default_traffic"], cc
     # as many calls as FSDP2 makes (2 steps x (4 + 3 all-gathers, 4 reduce-scatters))
     assert cc["fullshard"]["comms"]["all_gather"]["calls"] == 14

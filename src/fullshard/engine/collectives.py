@@ -50,6 +50,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .backend import BackendPlan
+from .compat import all_gather_single, reduce_scatter_single
 from .handle import (
     CollectiveError,
     CollectiveRecord,
@@ -98,9 +99,9 @@ def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
             kwargs["op"] = rest[0]
         return comm(output_tensor=output, input_tensor=input, **kwargs)
     if kind == "all_gather":
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        fn = all_gather_single
     elif kind == "reduce_scatter":
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn = reduce_scatter_single
     elif kind == "all_reduce":
         fn = dist.all_reduce
     else:  # pragma: no cover - internal misuse

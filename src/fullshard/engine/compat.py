@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp as _tfsdp
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -55,7 +57,9 @@ __all__ = [
     "TorchFeature",
     "TorchGradientReductionHandle",
     "UnsupportedByTorchError",
+    "all_gather_single",
     "check_supported",
+    "reduce_scatter_single",
     "require",
     "require_method",
     "root_mesh",
@@ -87,6 +91,16 @@ MP_HAS_PARAM_DTYPE_OVERRIDE = "param_dtype_override_fn" in {
 #: With ``reduce_dtype=None``, FSDP2 reduces in the parameter's ``grad_dtype`` (torch 2.15) rather
 #: than in ``param_dtype`` (2.14 and older).
 REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE = TORCH_VERSION >= (2, 15)
+
+#: torch.distributed's single-tensor all-gather and reduce-scatter: ``all_gather_single`` /
+#: ``reduce_scatter_single`` where torch has them (2.13), else ``all_gather_into_tensor`` /
+#: ``reduce_scatter_tensor`` (the same collectives under their older names).
+all_gather_single: Callable[..., Any] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+reduce_scatter_single: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 #: ``UntypedStorage._swap_data_ptr_`` exists (torch 2.12): the CPU buffer pool can recycle memory.
 STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
