@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import CommPolicy, FSDPModule, MixedPrecisionPolicy, count_collectives, fully_shard
@@ -238,6 +239,10 @@ def _api_and_errors() -> dict[str, str]:
     for m in meta.modules():
         if hasattr(m, "reset_parameters") and m is not meta:
             m.reset_parameters()
+    for (
+        b
+    ) in meta.blocks:  # a bare Parameter no reset_parameters covers (else: whatever memory held)
+        nn.init.zeros_(b.small)
     local = meta.blocks[0].up.weight.to_local()
     rows = -(-7 // world)  # torch.chunk: ceil(7 / world) rows per rank, the tail gets the rest
     assert local.shape == (max(0, min(rows, 7 - rank * rows)), 10)  # only its shard exists

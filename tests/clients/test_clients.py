@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from fullshard.engine.compat import TORCH_VERSION
 from fullshard.testing import run_distributed
 
 pytest.importorskip("transformers")
@@ -29,6 +30,9 @@ import clients  # tests/clients is on sys.path (pytest prepends a test file's fo
 
 TOL = 1e-5
 ENV = {"TORCHELASTIC_RUN_ID": "fullshard-clients"}  # Fabric: adopt the process group
+# torch 2.9's pipelining opens a stage's links with a float received for an int64 sent, which
+# gloo aborts on (torch's own FSDP2 too; fixed in 2.10): nothing to compare there.
+PIPELINING_ON_GLOO = TORCH_VERSION >= (2, 10)
 
 
 def close(a: list[float], b: list[float]) -> bool:
@@ -42,7 +46,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = str(tmp_path_factory.mktemp("clients"))
     two = run_distributed(clients.two_ranks, 2, folder, timeout=600, env=ENV)
     three = run_distributed(clients.three_ranks, 3, folder, timeout=600, env=ENV)
-    four = run_distributed(clients.four_ranks, 4, timeout=600, env=ENV)
+    four = (
+        run_distributed(clients.four_ranks, 4, timeout=600, env=ENV) if PIPELINING_ON_GLOO else []
+    )
     return {"two": two, "three": three, "four": four}
 
 
@@ -69,6 +75,7 @@ def test_dcp_saved_on_2_loaded_on_3(runs: dict[str, Any]) -> None:
                 assert close(r[engine][kind], expected), (engine, kind, r[engine][kind], expected)
 
 
+@pytest.mark.skipif(not PIPELINING_ON_GLOO, reason="torch 2.9's pipelining aborts on gloo")
 def test_pipelining_two_stages_two_replicas(runs: dict[str, Any]) -> None:
     import torch
 

@@ -22,7 +22,8 @@ no other module looks at ``torch.__version__``. What changed, by release:
   ``FSDPModule.set_symm_mem_for_comm``.
 - 2.12: torch's pipelining stage reads ``state._fsdp_param_groups`` of ``fully_shard.state(...)``;
   2.9 to 2.11 read ``state._fsdp_param_group`` (``fullshard.patch`` answers both).
-- 2.10: ``share_comm_ctx``; ``DeviceMesh._get_root_mesh()`` (2.9 asks ``_mesh_resources``).
+- 2.10: ``share_comm_ctx``; ``DeviceMesh._get_root_mesh()`` (2.9 asks ``_mesh_resources``) and
+  ``DeviceMesh._concatenate`` (2.9 slices the root mesh by dim names).
 
 A feature the installed torch lacks is refused where it is used (:func:`require`), in one line
 naming the feature and the torch that has it; everything else runs with FSDP2's semantics of
@@ -59,6 +60,7 @@ __all__ = [
     "UnsupportedByTorchError",
     "all_gather_single",
     "check_supported",
+    "concatenate_meshes",
     "reduce_scatter_single",
     "require",
     "require_method",
@@ -209,3 +211,14 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     from torch.distributed.device_mesh import _mesh_resources  # type: ignore[attr-defined]
 
     return _mesh_resources.get_root_mesh(mesh)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh of the dims of ``meshes`` (sub-meshes of one root mesh), in order:
+    ``DeviceMesh._concatenate`` from torch 2.10; on 2.9 the root sliced by their dim names
+    (what 2.9's FSDP2 does), which needs every mesh to be a named slice of the root."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate(meshes)
+    names = tuple(n for m in meshes for n in (m.mesh_dim_names or ()))
+    return root_mesh(meshes[0])[names]

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .backend import serving_backend
-from .compat import DataParallelMeshDims
+from .compat import DataParallelMeshDims, concatenate_meshes
 
 __all__ = ["MeshInfo", "SpmdDims", "default_mesh", "mesh_info", "mesh_info_from_dims"]
 
@@ -154,5 +154,5 @@ def mesh_info_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInf
     if not dims.replicate_names:
         info = mesh_info(shard)
     else:
-        info = mesh_info(DeviceMesh._concatenate([sub(dims.replicate_names), shard]))
+        info = mesh_info(concatenate_meshes([sub(dims.replicate_names), shard]))
     return replace(info, spmd=spmd)

@@ -54,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .compat import concatenate_meshes
 from .mesh import MeshInfo
 from .streamcheck import freed
 
@@ -180,7 +181,7 @@ class ShardedParam:
         )
         if split > 1:
             dp[-1] = _StridedShard(self.dim, split_factor=split)
-        mesh = DeviceMesh._concatenate([self.info.mesh, self.tp_mesh])
+        mesh = concatenate_meshes([self.info.mesh, self.tp_mesh])
         return mesh, (*dp, *self.tp_placements)
 
     def _spmd_full_mesh(self, data: torch.Tensor) -> tuple[DeviceMesh, tuple[Placement, ...]]:
@@ -214,7 +215,7 @@ class ShardedParam:
             elif i not in spmd.dp_dims:
                 meshes.append(mesh[name])
                 out.append(placements[i])
-        return DeviceMesh._concatenate(meshes), tuple(out)
+        return concatenate_meshes(meshes), tuple(out)
 
     def _wrap_sharded(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
