@@ -13,8 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import checkpoint
 
+from fullshard.checkpoint.shards import local_box
 from fullshard.engine.events import EngineEvent
 
 VOCAB, DIM, HIDDEN, SEQ, GLOBAL_BATCH = 13, 10, 7, 6, 24
@@ -116,8 +118,24 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather every DTensor in the state dict (test helper, not the checkpoint path)."""
     out = {}
     for k, v in model.state_dict().items():
-        out[k] = v.full_tensor().detach().clone() if isinstance(v, DTensor) else v.detach().clone()
+        out[k] = _full(v, k).detach().clone() if isinstance(v, DTensor) else v.detach().clone()
     return out
+
+
+def _full(t: DTensor, what: str) -> torch.Tensor:
+    """``t.full_tensor()``; but torch 2.9's DTensor redistributes a ``_StridedShard`` (a dim TP
+    and dp both shard, FSDP2's layout too) to the wrong rows, so such a tensor on every rank's
+    mesh is put together from each rank's box instead (what fullshard's checkpoints write)."""
+    strided = any(isinstance(p, _StridedShard) for p in t.placements)
+    if not strided or t.device_mesh.size() != dist.get_world_size():
+        return t.full_tensor()
+    start, shape = local_box(t, what)
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, (start, shape, t.to_local().detach()))
+    full = torch.empty(t.shape, dtype=t.dtype)
+    for st, sh, local in boxes:
+        full[tuple(slice(a, a + b) for a, b in zip(st, sh))] = local
+    return full
 
 
 def sharded_step(
