@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from .engine.errors import FullyShardError
 from .engine.finalize import (
     GradientReductionHandle,
     finalize_backward,
@@ -45,15 +46,6 @@ __all__ = [
     "GradientReductionHandle",
     "UnshardHandle",
 ]
-
-
-class FullyShardError(ValueError, AssertionError):
-    """A misuse FSDP2 reports with ``AssertionError`` (fullshard also makes it a ``ValueError``).
-
-    Raised for ``fully_shard`` applied twice to one module, an unnamed 2-D mesh,
-    ``copy.deepcopy`` of a unit and a method called on a module that is no unit: code written
-    against either library catches it.
-    """
 
 
 def _state(module: nn.Module) -> FSDPState:
