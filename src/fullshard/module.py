@@ -361,16 +361,14 @@ class FSDPModule(_TorchFSDPModule):
         it in place (e.g. an all-reduce over another group, a scaling) before it becomes the
         parameters' ``.grad``. See [Note: the all-reduce hook] in ``fullshard.engine.reduce``.
         ``stream`` (CUDA, not with HSDP, as FSDP2): the stream to run the hook on; ignored on
-        the CPU.
+        the CPU. With HSDP (a 2-D mesh, whatever its replicate size) a stream is refused with
+        FSDP2's ``ValueError``, its message exactly (torch's tests compare it whole).
         """
         state = _state(cast(nn.Module, self))
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
-        if stream is not None and state.group.info.replicate_size > 1:
-            raise ValueError(
-                f"set_all_reduce_hook(stream=...) on unit {state.name!r}: stream cannot be set "
-                f"when using HSDP (the hook follows the replicas' all-reduce)"
-            )
+        if stream is not None and state.group.info.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")
         _check_collectives(state, "set_all_reduce_hook")
         state.group.overrides.all_reduce_hook = hook
         state.group.overrides.hook_stream = stream
