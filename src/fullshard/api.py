@@ -43,6 +43,7 @@ from .module import (
     _check_fsdp_modules,
     _state,
 )
+from .torch_state import fully_shard_state
 
 __all__ = [
     "FSDPModule",
@@ -233,6 +234,10 @@ def fully_shard(
         if inner is not state and inner.enclosing is None:
             inner.enclosing = weakref.ref(state)
     return module
+
+
+# FSDP2's ``fully_shard.state(module)``: the unit's state (``None`` for a module that is no unit)
+fully_shard.state = fully_shard_state  # type: ignore[attr-defined]
 
 
 def _check_module(m: object) -> None:
