@@ -411,18 +411,14 @@ class FSDPModule(_TorchFSDPModule):
 
         FSDP2 waits on this event *instead of* the current stream, to avoid false dependencies.
         fullshard issues its gathers from the current stream, so they already follow it; the
-        event is waited on as well (correct, but no dependency is removed). CPU has no streams
-        or events (``optimizer.step()`` has finished when it returns), so an event on a
-        CPU-only unit is refused.
+        event is waited on as well (correct, but no dependency is removed). On a CPU unit the
+        call is accepted and changes nothing, as in FSDP2, whose CPU streams' ``wait_event``
+        does nothing (the optimizer step is complete when ``step()`` returns); so is ``None``
+        (FSDP2 then waits on the current stream, which fullshard's gathers follow anyway).
         """
         module = cast(nn.Module, self)
-        state = _state(module)
-        if _on_cpu_group(state) or getattr(event, "device", torch.device("cpu")).type == "cpu":
-            raise RuntimeError(
-                f"set_post_optim_event on unit {state.name!r}: this unit computes on the CPU, "
-                f"which has no streams or events (the optimizer step is complete when step() "
-                f"returns); drop the call on CPU"
-            )
+        if _on_cpu_group(_state(module)) or event is None:
+            return
         handles: list[Any] = []
 
         def wait_once(*_: Any, **__: Any) -> None:
