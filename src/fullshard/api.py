@@ -48,6 +48,7 @@ from .module import (
     _check_fsdp_modules,
     _state,
 )
+from .torch_state import fully_shard_state
 
 __all__ = [
     "FSDPModule",
@@ -67,6 +68,7 @@ _FSDP_CLASSES: dict[type, type] = {}  # original class -> its FSDP<Name> subclas
 
 def _deepcopy_refused(self: nn.Module, memo: Any) -> Any:
     raise FullyShardError(
+        f"FSDP does not support deepcopy. Please use state dict for serialization.\n"
         f"copy.deepcopy of a fully_shard unit ({type(self).__name__}) is not supported: its "
         f"parameters are DTensor shards bound to hooks and a process group. Copy the weights "
         f"instead: build a new model and load model.state_dict() (sharded) or "
@@ -168,6 +170,7 @@ def fully_shard(
         info = mesh_info_from_dims(mesh, dp_mesh_dims)
     elif mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise FullyShardError(
+            f"Please init the 2D mesh for HSDP with mesh_dim_names specified\n"
             f"a 2-D mesh for HSDP must name its dims (replicate, shard): build it with "
             f"init_device_mesh(device_type, {tuple(mesh.shape)}, "
             f"mesh_dim_names=('replicate', 'shard'))"
@@ -239,16 +242,23 @@ def fully_shard(
     return module
 
 
+# FSDP2's ``fully_shard.state(module)``: the unit's state (``None`` for a module that is no unit)
+fully_shard.state = fully_shard_state  # type: ignore[attr-defined]
+
+
 def _check_module(m: object) -> None:
     if not isinstance(m, nn.Module):
         raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-    if isinstance(m, FSDPModule):
+    if "fully_shard" in m.__dict__.get(REGISTRY_KEY, {}):  # ours or torch's, as FSDP2 checks
         raise FullyShardError(
+            f"Each distinct composable distributed API can only be applied to a module once. "
+            f"fully_shard has already been applied to the following module:\n{m}\n"
             f"fully_shard was already applied to this {type(m).__name__}; each module may "
             f"form only one unit (apply it once per module, bottom-up)"
         )
     if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
         raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {m}\n"
             f"fully_shard cannot make a unit of a {type(m).__name__} (it has no forward, so "
             f"its hooks would never run): apply it to each element (for block in "
             f"model.layers: fully_shard(block)) or pass them as one unit: "

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from .engine.compat import require_method
+from .engine.errors import FullyShardError
 from .engine.finalize import (
     GradientReductionHandle,
     finalize_backward,
@@ -46,15 +47,6 @@ __all__ = [
     "GradientReductionHandle",
     "UnshardHandle",
 ]
-
-
-class FullyShardError(ValueError, AssertionError):
-    """A misuse FSDP2 reports with ``AssertionError`` (fullshard also makes it a ``ValueError``).
-
-    Raised for ``fully_shard`` applied twice to one module, an unnamed 2-D mesh,
-    ``copy.deepcopy`` of a unit and a method called on a module that is no unit: code written
-    against either library catches it.
-    """
 
 
 def _state(module: nn.Module) -> FSDPState:
@@ -377,16 +369,14 @@ class FSDPModule(_TorchFSDPModule):
         it in place (e.g. an all-reduce over another group, a scaling) before it becomes the
         parameters' ``.grad``. See [Note: the all-reduce hook] in ``fullshard.engine.reduce``.
         ``stream`` (CUDA, not with HSDP, as FSDP2): the stream to run the hook on; ignored on
-        the CPU.
+        the CPU. With HSDP (a 2-D mesh, whatever its replicate size) a stream is refused with
+        FSDP2's ``ValueError``, its message exactly (torch's tests compare it whole).
         """
         state = _state(cast(nn.Module, self))
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
-        if stream is not None and state.group.info.replicate_size > 1:
-            raise ValueError(
-                f"set_all_reduce_hook(stream=...) on unit {state.name!r}: stream cannot be set "
-                f"when using HSDP (the hook follows the replicas' all-reduce)"
-            )
+        if stream is not None and state.group.info.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")
         _check_collectives(state, "set_all_reduce_hook")
         state.group.overrides.all_reduce_hook = hook
         state.group.overrides.hook_stream = stream
@@ -429,18 +419,14 @@ class FSDPModule(_TorchFSDPModule):
 
         FSDP2 waits on this event *instead of* the current stream, to avoid false dependencies.
         fullshard issues its gathers from the current stream, so they already follow it; the
-        event is waited on as well (correct, but no dependency is removed). CPU has no streams
-        or events (``optimizer.step()`` has finished when it returns), so an event on a
-        CPU-only unit is refused.
+        event is waited on as well (correct, but no dependency is removed). On a CPU unit the
+        call is accepted and changes nothing, as in FSDP2, whose CPU streams' ``wait_event``
+        does nothing (the optimizer step is complete when ``step()`` returns); so is ``None``
+        (FSDP2 then waits on the current stream, which fullshard's gathers follow anyway).
         """
         module = cast(nn.Module, self)
-        state = _state(module)
-        if _on_cpu_group(state) or getattr(event, "device", torch.device("cpu")).type == "cpu":
-            raise RuntimeError(
-                f"set_post_optim_event on unit {state.name!r}: this unit computes on the CPU, "
-                f"which has no streams or events (the optimizer step is complete when step() "
-                f"returns); drop the call on CPU"
-            )
+        if _on_cpu_group(_state(module)) or event is None:
+            return
         handles: list[Any] = []
 
         def wait_once(*_: Any, **__: Any) -> None:

@@ -11,6 +11,10 @@ and module, ``torch.distributed._composable.fsdp[.fully_shard]``, ``torch.distri
 
     import fullshard
     fullshard.patch_torch_fsdp()   # before the framework shards the model
+
+Code that reaches into FSDP2's state through ``fully_shard.state(module)`` (torch's pipelining
+stage up to torch 2.14) then gets fullshard's answer: fullshard's ``fully_shard`` carries
+``state`` itself (``fullshard.torch_state``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from torch import nn
-
 from . import api
-from .engine.context import StepContext
-from .engine.hooks import STATE_ATTR, FSDPState
 
 __all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
 
@@ -115,55 +115,3 @@ def patch_torch_fsdp() -> TorchFSDPPatch:
                     handle.replaced.append((mod, attr, value))
         _ACTIVE = handle
         return handle
-
-
-# --------------------------------------------------------------------------------------------
-# ``fully_shard.state(module)``: torch's pipelining stage (``PipelineStage``) finishes a step's
-# gradient reduction by reaching into FSDP2's state —
-#     state = fully_shard.state(stage_module)
-#     for s in state._state_ctx.all_states: for g in s._fsdp_param_groups: g.post_backward()
-#     state._root_post_backward_final_callback()
-# — through whichever ``fully_shard`` its module holds (fullshard's, once patched). This view
-# answers those three calls with fullshard's engine.
-
-
-class _GroupView:
-    def __init__(self, state: FSDPState) -> None:
-        self._state = state
-
-    def post_backward(self) -> None:
-        if self._state.group.params:
-            self._state.post_backward()
-
-
-class _StateCtxView:
-    def __init__(self, ctx: StepContext[FSDPState]) -> None:
-        self.all_states = [_StateView(st) for st in ctx.states]
-
-
-class _StateView:
-    """The part of FSDP2's ``FSDPState`` that torch's pipelining stage uses."""
-
-    def __init__(self, state: FSDPState) -> None:
-        self._state = state
-        self._fsdp_param_groups = [_GroupView(state)]  # what torch 2.12+'s stage reads
-        # torch 2.9-2.11's stage reads one group, None for a unit without parameters
-        self._fsdp_param_group = _GroupView(state) if state.group.params else None
-
-    def _ctx(self) -> StepContext[FSDPState]:
-        return self._state.ctx or self._state.lazy_init()
-
-    @property
-    def _state_ctx(self) -> _StateCtxView:
-        return _StateCtxView(self._ctx())
-
-    def _root_post_backward_final_callback(self) -> None:
-        self._ctx().finish_backward()
-
-
-def _fully_shard_state(mod: nn.Module) -> _StateView | None:
-    st = mod.__dict__.get(STATE_ATTR)
-    return None if st is None else _StateView(st)
-
-
-api.fully_shard.state = _fully_shard_state  # type: ignore[attr-defined]

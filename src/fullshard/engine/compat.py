@@ -21,7 +21,7 @@ no other module looks at ``torch.__version__``. What changed, by release:
   form), ``ShardPlacementResult`` (a parameter on its own mesh) and
   ``FSDPModule.set_symm_mem_for_comm``.
 - 2.12: torch's pipelining stage reads ``state._fsdp_param_groups`` of ``fully_shard.state(...)``;
-  2.9 to 2.11 read ``state._fsdp_param_group`` (``fullshard.patch`` answers both).
+  2.9 to 2.11 read ``state._fsdp_param_group`` (``fullshard.torch_state`` answers both).
 - 2.10: ``share_comm_ctx``; ``DeviceMesh._get_root_mesh()`` (2.9 asks ``_mesh_resources``) and
   ``DeviceMesh._concatenate`` (2.9 slices the root mesh by dim names).
 
@@ -111,7 +111,7 @@ STORAGE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 STORAGE_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
 
 #: torch's pipelining finishes a stage's backward with ``finalize_backward`` (2.15) rather than
-#: through ``fully_shard.state(module)`` (2.14 and older; see ``fullshard.patch``).
+#: through ``fully_shard.state(module)`` (2.14 and older; see ``fullshard.torch_state``).
 PIPELINING_USES_FINALIZE_BACKWARD = TORCH_VERSION >= (2, 15)
 
 

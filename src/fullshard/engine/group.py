@@ -370,13 +370,16 @@ class ParamGroup:
         )
 
     def check_materialised(self) -> None:
-        """Raise a clear error if any parameter is still on the meta device."""
+        """Raise FSDP2's error, naming them, if any parameter is still on the meta device."""
         meta = [sp.fqn for sp in self.params if sp.local.is_meta]
         if meta:
             raise RuntimeError(
-                f"parameters of unit {self.name!r} are still on the meta device: {meta}. "
-                f"Call module.to_empty(device=...) and then reset_parameters() (or load a "
-                f"checkpoint) before the forward pass"
+                f"FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {meta}\n"
+                f"For example, call module.to_empty(device) to materialize to device and "
+                f"call module.reset_parameters() on each module to initialize values.\n"
+                f"(fully_shard unit {self.name!r}; loading a checkpoint into the materialised "
+                f"module works too)"
             )
 
     # ---------------------------------------------------------------------------- unshard

@@ -181,9 +181,12 @@ def _check_spmd_param(p: nn.Parameter, fqn: str, info: MeshInfo) -> None:
             f"to fully_shard with dp_mesh_dims ({spmd.mesh}); distribute it on that mesh"
         )
     names = spmd.mesh.mesh_dim_names or ()
-    for i in sorted(spmd.dp_dims):
+    dims = [("shard", i) for i in spmd.shard_dims] + [("replicate", i) for i in spmd.replicate_dims]
+    for kind, i in dims:  # in FSDP2's order, with its message first
         if not isinstance(p.placements[i], Replicate):
             raise ValueError(
+                f"Expected Replicate() on DP {kind} dim '{names[i]}' (index {i}) but got "
+                f"{p.placements[i]}\n"
                 f"parameter {fqn!r} has placement {p.placements[i]} on the data-parallel "
                 f"mesh dim {names[i]!r}; with dp_mesh_dims it must be Replicate() there "
                 f"(fully_shard does the sharding)"
@@ -214,9 +217,8 @@ def name_units(
     root_modules: tuple[nn.Module, ...], units: list[tuple[tuple[nn.Module, ...], ParamGroup]]
 ) -> None:
     """Name every unit (its modules, group) and parameter by its FQN relative to the root;
-    refuse parameters still on the meta device, naming them."""
+    refuse parameters still on the meta device, naming those of the first such unit."""
     names = {id(m): n for top in root_modules for n, m in top.named_modules()}
-    meta: list[str] = []
     for modules, group in units:
         unit = names.get(id(modules[0]), "")
         cls = type(modules[0]).__name__.removeprefix("FSDP")  # the user's class name
@@ -226,15 +228,7 @@ def name_units(
             module, attr = sp.refs[0]
             prefix = names.get(id(module), "")
             sp.fqn = f"{prefix}.{attr}" if prefix else attr  # root-relative from now on
-            if sp.local.is_meta:
-                meta.append(sp.fqn)
-    if meta:
-        shown = meta if len(meta) <= 12 else meta[:12] + [f"... {len(meta) - 12} more"]
-        raise RuntimeError(
-            f"parameters are still on the meta device: {shown}. Call "
-            f"module.to_empty(device=...) and then reset_parameters() (or load a "
-            f"checkpoint) before the forward pass"
-        )
+        group.check_materialised()  # as FSDP2: the first unit (root first) with meta ones
 
 
 def assign_shared_params(units: list[tuple[tuple[nn.Module, ...], ParamGroup]]) -> None:

@@ -106,9 +106,12 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
             mesh.size(0),
             (Replicate(), Shard(0)),
         )
-    raise ValueError(
+    raise ValueError(  # FSDP2's message first (callers match it), then fullshard's
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}\n"
         f"fully_shard supports a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got a "
-        f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+        f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}: pass the data-parallel sub-mesh "
+        f"(e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']), or the whole mesh with "
+        f"dp_mesh_dims=DataParallelMeshDims(...)"
     )
 
 

@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .compat import concatenate_meshes
+from .errors import FullyShardError
 from .mesh import MeshInfo
 from .streamcheck import freed
 
@@ -82,8 +83,10 @@ class ShardedParam:
         pin_memory: bool = False,
         placement: Shard | None = None,
     ) -> None:
-        if param.dim() == 0:
+        if param.dim() == 0:  # FSDP2's message (it names the attribute), then fullshard's
             raise ValueError(
+                f"fully_shard doesn't support scalar parameters. Change {fqn.rpartition('.')[2]} "
+                f"to a 1D tensor with numel equal to 1.\n"
                 f"parameter {fqn!r} is 0-dimensional; fully_shard shards dim 0 (as FSDP2 does). "
                 f"Store it with shape (1,) or pass it in ignored_params=..."
             )
@@ -108,7 +111,8 @@ class ShardedParam:
         dim = 0 if placement is None else placement.dim
         dim = dim + data.dim() if dim < 0 else dim
         if not 0 <= dim < data.dim():
-            raise ValueError(
+            raise FullyShardError(  # FSDP2's AssertionError, its message first
+                f"Shard dim {dim} is invalid for {data.dim()}D tensor: {param.shape}\n"
                 f"shard_placement_fn returned {placement} for {fqn!r}, but it has "
                 f"{data.dim()} dims (shape {tuple(data.shape)}); return Shard(d) with "
                 f"-{data.dim()} <= d < {data.dim()}"
