@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check: fullshard vs torch FSDP2 on one CUDA GPU, one table (benchmarks/gpu_check.py).
-#   bash scripts/gpu_check.sh [--out gpu_check.json] [--trace-dir DIR] [--llama-layers N] ...
-# Under 8 minutes on one H200. Without a CUDA GPU it prints one line saying it skipped, exit 0.
+#   bash scripts/gpu_check.sh [--out DIR] [--trace-dir DIR] [--budget-s 420] [--only KEYS] ...
+#   bash scripts/gpu_check.sh --dry-run --out DIR    # every check on the CPU at tiny sizes
+# Under 8 minutes on one H200, writing DIR/gpu_check.json and DIR/gpu_check.md after each check.
+# Installs and downloads nothing: the machine's python3 (or $PYTHON, or .venv if there) with
+# fullshard from src/ and the peers package from benchmarks/. Without a CUDA GPU it prints one
+# line saying it skipped, exit 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -n "${PYTHON:-}" ]]; then
@@ -11,6 +15,7 @@ elif [[ -x .venv/bin/python ]]; then
 else
     py=python3
 fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-# A hard ceiling well inside the 8-minute budget; a hung collective fails instead of stalling.
-exec timeout --kill-after=10 450 "$py" benchmarks/gpu_check.py "$@"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+# A hard ceiling above the checks' own budget (420 s by default) and under 8 minutes: a hung
+# collective fails instead of stalling; the report keeps every check finished before it.
+exec timeout --kill-after=10 460 "$py" benchmarks/gpu_check.py "$@"

@@ -47,7 +47,15 @@ from fullshard.optim import local_step
 from fullshard.peers import load_fully_shard
 from fullshard.testing import run_distributed
 
-__all__ = ["OVERHEAD_MODES", "OverheadConfig", "markdown", "overhead_rank", "run", "table"]
+__all__ = [
+    "OVERHEAD_MODES",
+    "OverheadConfig",
+    "in_this_process",
+    "markdown",
+    "overhead_rank",
+    "run",
+    "table",
+]
 
 #: Modes of the overhead benchmark; ``bare`` is the no-engine floor the others are measured from.
 
@@ -116,9 +124,11 @@ class OverheadConfig:
 # ----------------------------------------------------------------------------- on each rank
 
 
-def _build(cfg: OverheadConfig, mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(
+    cfg: OverheadConfig, mode: str, device: str = "cpu"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(cfg.seed)
-    model = TinyUnits(cfg.units, cfg.width)
+    model = TinyUnits(cfg.units, cfg.width).to(device)
     if mode != "bare":
         fully_shard = load_fully_shard(mode)
         for block in model.blocks:
@@ -130,9 +140,9 @@ def _build(cfg: OverheadConfig, mode: str) -> tuple[nn.Module, torch.optim.Optim
     return model, opt
 
 
-def _inputs(cfg: OverheadConfig, rank: int, steps: int) -> list[torch.Tensor]:
+def _inputs(cfg: OverheadConfig, rank: int, steps: int, device: str = "cpu") -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    return [torch.randn(cfg.batch, cfg.width, generator=gen) for _ in range(steps)]
+    return [torch.randn(cfg.batch, cfg.width, generator=gen).to(device) for _ in range(steps)]
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
@@ -148,9 +158,9 @@ def _fsdp_module_of(model: nn.Module) -> str | None:
     return next((c.__module__ for c in type(model).__mro__ if c.__name__ == "FSDPModule"), None)
 
 
-def _timed_run(cfg: OverheadConfig, mode: str, rank: int) -> dict[str, Any]:
-    model, opt = _build(cfg, mode)
-    inputs = _inputs(cfg, rank, cfg.steps)
+def _timed_run(cfg: OverheadConfig, mode: str, rank: int, device: str) -> dict[str, Any]:
+    model, opt = _build(cfg, mode, device)
+    inputs = _inputs(cfg, rank, cfg.steps, device)
     gc.collect()
     dist.barrier()
     times, losses = [], []
@@ -255,8 +265,9 @@ def _profile(cfg: OverheadConfig, rank: int) -> dict[str, Any] | None:
     }
 
 
-def overhead_rank(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """Every repeat of every mode on this rank, modes alternating, then the profile."""
+def overhead_rank(cfg_dict: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    """Every repeat of every mode on this rank, modes alternating, then the profile (the
+    timed runs on ``device``: ``"cuda"`` for the GPU check; the profile on the CPU)."""
     fields: dict[str, Any] = {
         k: tuple(v) if isinstance(v, list) else v for k, v in cfg_dict.items()
     }
@@ -265,7 +276,7 @@ def overhead_rank(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.modes}
     for r in range(cfg.repeats):
         for mode in alternate(cfg.modes, r):
-            runs[mode].append(_timed_run(cfg, mode, rank))
+            runs[mode].append(_timed_run(cfg, mode, rank, device))
     profile = _profile(cfg, rank) if cfg.profile_steps and "fullshard" in cfg.modes else None
     return {"rank": rank, "runs": runs, "profile": profile}
 
@@ -327,6 +338,15 @@ def run(cfg: OverheadConfig, *, timeout: float = 3600.0, quiet: bool = False) ->
         "config": asdict(cfg),
         "worlds": worlds,
     }
+
+
+def in_this_process(cfg: OverheadConfig, device: str = "cpu") -> dict[str, Any]:
+    """One world's result (an entry of :func:`run`'s ``worlds``) measured in this process, on
+    its initialised one-rank default group and ``device``: how ``scripts/gpu_check.sh`` runs
+    the benchmark on CUDA/NCCL."""
+    if dist.get_world_size() != 1:
+        raise ValueError(f"in_this_process runs one rank; the group has {dist.get_world_size()}")
+    return _aggregate(cfg, 1, [overhead_rank(asdict(cfg), device)])
 
 
 # ----------------------------------------------------------------------------- rendering
