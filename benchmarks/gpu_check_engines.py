@@ -14,6 +14,7 @@ from gpu_check_report import Row
 from torch import nn
 
 from fullshard.bench.trace import copy_overlap
+from fullshard.engine.compat import FSDP_MODULE_METHODS_SINCE, TorchFeature
 from fullshard.models import GPT, GPTConfig
 
 PARITY_STEPS = 5
@@ -115,6 +116,16 @@ def _knob_cell(ctx: Ctx, engine: str, turn_on: Any, cfg: GPTConfig, ref: list[fl
         return f"{type(e).__name__}: {e}"[:60]
 
 
+def _torch_has(method: str) -> bool:
+    since = FSDP_MODULE_METHODS_SINCE.get(method, (0, 0))
+    return TorchFeature(method, since).available
+
+
+def _too_old(knob: str) -> str:
+    since = FSDP_MODULE_METHODS_SINCE["set_symm_mem_for_comm"]
+    return f"{knob}: FSDP2 has it from torch {since[0]}.{since[1]}; this is {torch.__version__}"
+
+
 def check_comm_buffers(ctx: Ctx) -> list[Row]:
     """The comm-buffer knobs on every unit: fp32 parity vs unsharded, under both engines."""
     cfg = PARITY_GPT[ctx.dry]
@@ -122,6 +133,9 @@ def check_comm_buffers(ctx: Ctx) -> list[Row]:
     rows = []
     for knob, (turn_on, needs_cuda) in KNOBS.items():
         if needs_cuda and not ctx.cuda:
+            continue
+        if knob == "symmetric memory" and not _torch_has("set_symm_mem_for_comm"):
+            rows.append(Row(f"comm buffers from {knob}", "-", "-", _too_old(knob), "INFO"))
             continue
         cells = {e: _knob_cell(ctx, e, turn_on, cfg, ref) for e in ENGINES}
         rows.append(

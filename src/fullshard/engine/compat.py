@@ -15,6 +15,8 @@ no other module looks at ``torch.__version__``. What changed, by release:
 - 2.14: nothing FSDP2 users can observe (its FSDP2 sources equal 2.13's).
 - 2.13: ``FSDPModule`` gained ``reset_iter_state``, ``set_reduce_scatter_max_input_buffers``,
   ``set_reduce_scatter_unused_params`` and ``set_separate_reduce_scatter_group``.
+- 2.12: ``LaunchConfig(shutdown_timeout=...)`` (``fullshard train --stop-timeout``; before it
+  the elastic agent gives workers a fixed 30 s after a stop signal).
 - 2.12: ``UntypedStorage._swap_data_ptr_`` (what the CPU buffer pool recycles memory with: on
   older torch the pool and gradient slabs are off, the CPU path gathers into fresh memory).
 - 2.12: ``DataParallelMeshDims`` and ``fully_shard(..., dp_mesh_dims=...)`` (the full-SPMD mesh
@@ -45,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "DP_MESH_DIMS",
     "FSDP_MODULE_METHODS_SINCE",
+    "LAUNCH_SHUTDOWN_TIMEOUT",
     "MP_HAS_PARAM_DTYPE_OVERRIDE",
     "PER_PARAMETER_MESH",
     "PIPELINING_USES_FINALIZE_BACKWARD",
@@ -163,6 +166,10 @@ DP_MESH_DIMS = TorchFeature("fully_shard(..., dp_mesh_dims=...) (the full-SPMD m
 PER_PARAMETER_MESH = TorchFeature(
     "shard_placement_fn returning a ShardPlacementResult (a parameter on its own mesh)", (2, 12)
 )
+
+#: ``LaunchConfig(shutdown_timeout=...)``: how long ``fullshard train``'s workers get to save after
+#: a stop signal (``--stop-timeout``); older torch gives them its fixed 30 s.
+LAUNCH_SHUTDOWN_TIMEOUT = TorchFeature("LaunchConfig(shutdown_timeout=...)", (2, 12))
 
 #: ``share_comm_ctx(modules)``: several roots share one set of communication streams.
 SHARE_COMM_CTX = TorchFeature("share_comm_ctx", (2, 10))

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fullshard.engine.compat import LAUNCH_SHUTDOWN_TIMEOUT
 from fullshard.train import failures
 from fullshard.train.failures import LAUNCHER_ENV
 from fullshard.train.metrics import read_metrics
@@ -119,8 +120,9 @@ def _run_group(
         max_restarts=0,  # restarts are launch()'s decision
         monitor_interval=0.2,
         start_method="spawn",
-        shutdown_timeout=stop_timeout,
     )
+    if LAUNCH_SHUTDOWN_TIMEOUT.available:  # torch 2.11 and older: the agent's fixed 30 s
+        config.shutdown_timeout = stop_timeout
     args = ["-u", "-m", "fullshard.train.worker", "--config", str(config_path)]
     started = time.time()
     try:
