@@ -8,7 +8,8 @@ One training step as the hooks see it (docs/design.md has the whole picture):
 - unit pre-forward: finish this unit's all-gather, start the next unit's (prefetch: the order
   recorded in the previous forward, or ``set_modules_to_forward_prefetch``);
 - unit post-forward: reshard (per ``reshard_after_forward``) and hook the outputs so the unit's
-  pre-backward runs when their gradients arrive;
+  pre-backward runs when their gradients arrive (a unit of several modules: once none of them
+  is pending, or when the root's forward ends; [Note: a unit of several modules]);
 - pre-backward: gather again, prefetch the unit that runs backward next;
 - post-backward: fired when the last gradient of the unit has been accumulated; finishes the
   previous unit's reduction, then reshards and reduce-scatters (asynchronously);
