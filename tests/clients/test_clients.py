@@ -10,6 +10,8 @@ pipelining, 3 ranks to load the DCP checkpoints saved on 2, 4 ranks for pipelini
 - Lightning Fabric's ModelParallelStrategy runs as is (it adopts the spawned process group).
 - torch pipelining: 2 stages x 2 data-parallel ranks (4 ranks, Schedule1F1B), each stage's
   module sharded over its data-parallel sub-mesh; also checked against a single-process run.
+- torchtitan (``titan.py``, a spawn of its own, skipped where torchtitan is not installed):
+  its llama3 model, FSDP application and chunked loss; no chunk gathers anything.
 """
 
 from __future__ import annotations
@@ -109,3 +111,29 @@ def test_accelerate_fsdp2_plugin(runs: dict[str, Any]) -> None:
     for torch_run, ours in _both(runs, "accelerate"):
         assert close(ours["losses"] + ours["after"], torch_run["losses"] + torch_run["after"])
         assert close(ours["again"], ours["after"])  # load_state restored model and optimizer
+
+
+@pytest.fixture(scope="module")
+def titan_runs() -> list[dict[Any, Any]]:
+    pytest.importorskip("torchtitan", reason="torchtitan (the clients extra) is not installed")
+    import titan
+
+    return run_distributed(titan.two_ranks, 2, timeout=600)
+
+
+def test_torchtitan_llama3_chunked_loss(titan_runs: list[dict[Any, Any]]) -> None:
+    """torchtitan keeps its [norm, output] unit gathered over the loss chunks: no chunk of any
+    step gathers anything (issue 42: from the second step on, each chunk's backward gathered
+    the last block again); no unit is gathered more often than under FSDP2; same losses."""
+    import titan
+
+    for r in titan_runs:
+        for ckpt in (False, True):
+            ours, ref = r[("fullshard", ckpt)], r[("torch", ckpt)]
+            assert close([s["loss"] for s in ours], [s["loss"] for s in ref]), (ours, ref)
+            for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+                assert a["chunks"] == [[]] * titan.CHUNKS, (ckpt, step, a["chunks"])
+                for unit in set(b["forward"] + b["backward"]):
+                    n = a["forward"].count(unit) + a["backward"].count(unit)
+                    assert n <= b["forward"].count(unit) + b["backward"].count(unit), (ckpt, a, b)
+                assert "head" in a["forward"] and "head" in a["backward"], a

@@ -53,7 +53,7 @@ class StepUnit(Protocol):
     def __hash__(self) -> int: ...
 
     def reset_forward(self) -> None:
-        """Forget a forward that did not finish (``reset_iter_state``)."""
+        """Forget a forward that did not finish (end of backward, ``reset_iter_state``)."""
 
 
 U = TypeVar("U", bound=StepUnit)
@@ -230,9 +230,7 @@ class StepContext(Generic[U]):
         if self.root.is_last_backward and not self.manual_active:
             self.end_backward_iteration()
         else:
-            for st in self.states:
-                st.group.finish_backward()
-                st.training_state = TrainingState.IDLE
+            self._units_idle()
             self.comm.pool.clear()
             self.comm.pool.release_unused_slabs()
         self.backward_task = None
@@ -242,12 +240,18 @@ class StepContext(Generic[U]):
         ``reshard_after_backward`` says, and give pooled memory back for the optimizer step."""
         self.finish_pending()
         self.comm.streams.wait_host_copies()
-        for st in self.states:
-            st.group.finish_backward()
-            st.training_state = TrainingState.IDLE
+        self._units_idle()
         self.comm.pool.clear()  # the optimizer step runs with no pooled memory
         self.comm.pool.release_unused_slabs()
         self.manual_active = None
+
+    def _units_idle(self) -> None:
+        """After a backward: each unit resharded per ``reshard_after_backward``, IDLE, and with
+        no module pending ([Note: a unit of several modules] in ``fullshard.engine.hooks``)."""
+        for st in self.states:
+            st.group.finish_backward()
+            st.training_state = TrainingState.IDLE
+            st.reset_forward()
 
     def reset_iter_state(self) -> None:
         """Recover from an exception mid-forward or mid-backward (``FSDPModule.reset_iter_state``).

@@ -8,7 +8,8 @@ One training step as the hooks see it (docs/design.md has the whole picture):
 - unit pre-forward: finish this unit's all-gather, start the next unit's (prefetch: the order
   recorded in the previous forward, or ``set_modules_to_forward_prefetch``);
 - unit post-forward: reshard (per ``reshard_after_forward``) and hook the outputs so the unit's
-  pre-backward runs when their gradients arrive;
+  pre-backward runs when their gradients arrive (a unit of several modules: once none of them
+  is pending, or when the root's forward ends; [Note: a unit of several modules]);
 - pre-backward: gather again, prefetch the unit that runs backward next;
 - post-backward: fired when the last gradient of the unit has been accumulated; finishes the
   previous unit's reduction, then reshards and reduce-scatters (asynchronously);
@@ -128,7 +129,7 @@ class FSDPState:
         return self.ctx or self.lazy_init()
 
     def reset_forward(self) -> None:
-        """Forget a forward that did not finish (``reset_iter_state``)."""
+        """Forget a forward that did not finish (end of backward, ``reset_iter_state``)."""
         self._forward_pending = set()
 
     # ------------------------------------------------------------------------- lazy init
@@ -236,47 +237,99 @@ class FSDPState:
         emit("forward_end", self.name)
         if torch._C._are_functorch_transforms_active():
             with torch._C._DisableFuncTorch():
-                self._reshard_after_forward(module)
+                ended = self._module_forward_done(module)
         else:
-            self._reshard_after_forward(module)
-        if torch.is_grad_enabled() and not self.group.transport.local:
+            ended = self._module_forward_done(module)
+        # A local unit ([Note: a shard group of one rank] in fullshard.engine.group) needs no
+        # pre-backward hook (nothing to gather; its parameters' post-accumulate-grad hooks
+        # queue the end-of-backward callback).
+        hooks = [st._pre_backward_hook for st in ended if not st.group.transport.local]
+        if self not in ended and not self.group.transport.local:
+            hooks.append(self._partial_pre_backward_hook)
+        if torch.is_grad_enabled() and hooks:
             tensors, _ = tree_flatten(output)
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
+                    for hook in hooks:
+                        t.register_hook(hook)
         return _cast_floats(output, self.mp_policy.output_dtype)
 
-    def _reshard_after_forward(self, module: nn.Module) -> None:
+    # [Note: a unit of several modules]
+    # ``fully_shard([norm, output])`` makes one unit of several modules, and its forward spans
+    # their calls: it starts with the first call while none is pending (``_forward_pending``
+    # is filled with all of them) and ends with the call that leaves none pending. Only then
+    # does the unit's post-forward run (reshard per ``reshard_after_forward``, its place in
+    # the post-forward order), and only the outputs of that call get the hook that starts the
+    # unit's backward (state PRE_BACKWARD, gather, prefetch the unit whose backward runs
+    # next). A module may also run more or fewer times than the others: torchtitan's model
+    # runs the norm, then its chunked loss calls the output projection once per chunk of the
+    # sequence, each chunk with a backward of its own. Three rules keep such a unit to one
+    # gather per forward, as FSDP2 (torch 2.13):
+    # - when the root's forward ends, every unit still pending ends its forward there (the
+    #   hook that starts its backward goes on the root's outputs);
+    # - a call that does not end the unit's forward leaves the unit gathered, and its outputs
+    #   get a hook that only makes sure the unit is gathered for their backward: a chunk's
+    #   backward is not the unit's, and prefetching the units before it (the last block) there
+    #   would gather them once per chunk, each dropped again when that backward ends;
+    # - the end of every backward (and ``reset_iter_state``) forgets what was pending, so each
+    #   chunk, and each step, starts the unit's forward afresh (no step inherits the last
+    #   chunk's pending module, which would end the unit's next forward early, after the norm).
+    def _module_forward_done(self, module: nn.Module) -> list[FSDPState]:
+        """One of the unit's modules finished its forward; returns the units whose forward
+        ended with it ([Note: a unit of several modules])."""
         ctx = self._context()
         self._forward_pending.discard(id(module))
-        # A local unit ([Note: a shard group of one rank] in fullshard.engine.group) frees nothing by
-        # resharding: it stays unsharded until its backward is done (as reshard_after_forward
-        # False), and needs no pre-backward hook (nothing to gather; its parameters'
-        # post-accumulate-grad hooks queue the end-of-backward callback).
+        if self._forward_pending:
+            return []
+        ended = [self]
+        self._end_forward(ctx)
+        if self.is_root:  # units whose forward is still pending end with the root's
+            for st in ctx.states:
+                if st is not self and st._forward_pending:
+                    st._forward_pending = set()
+                    st._end_forward(ctx)
+                    ended.append(st)
+        return ended
+
+    def _end_forward(self, ctx: StepContext[FSDPState]) -> None:
+        """The unit's post-forward: its place in the post-forward order, reshard per policy.
+
+        A local unit ([Note: a shard group of one rank] in fullshard.engine.group) frees
+        nothing by resharding: it stays unsharded until its backward is done (as
+        reshard_after_forward False)."""
         local = self.group.transport.local
-        if not self._forward_pending:  # the unit's last module finished
-            ctx.order.record_post_forward(self)
-            if not torch.is_grad_enabled():
-                self.group.reshard()  # no backward will come for this forward
-                if self.is_root:  # nor a gather soon ([Note: recycling unsharded buffers])
-                    ctx.comm.pool.clear()
-            elif self.reshard_policy is True and not local:
-                self.group.reshard(recycle=self._recycles_in_forward(ctx))
-            elif self.reshard_policy is not False and not local:
-                self.group.reshard_partial()
-            if self.training_state is TrainingState.FORWARD:
-                self.training_state = TrainingState.IDLE
+        ctx.order.record_post_forward(self)
+        if not torch.is_grad_enabled():
+            self.group.reshard()  # no backward will come for this forward
+            if self.is_root:  # nor a gather soon ([Note: recycling unsharded buffers])
+                ctx.comm.pool.clear()
+        elif self.reshard_policy is True and not local:
+            self.group.reshard(recycle=self._recycles_in_forward(ctx))
+        elif self.reshard_policy is not False and not local:
+            self.group.reshard_partial()
+        if self.training_state is TrainingState.FORWARD:
+            self.training_state = TrainingState.IDLE
 
     # -------------------------------------------------------------------------- backward
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
 
+    def _partial_pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward(starts=False)
+
     @labelled("pre_backward")
-    def pre_backward(self) -> None:
-        """Gather this unit for its backward and prefetch the unit that runs backward next."""
+    def pre_backward(self, starts: bool = True) -> None:
+        """Gather this unit for its backward and prefetch the unit that runs backward next.
+
+        ``starts=False``: the backward of a call that did not end the unit's forward ([Note:
+        a unit of several modules]): only make sure the unit is gathered."""
         ctx = self._context()
         ctx.ensure_end_of_backward_callback()
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        if not starts:
+            if self.group.unshard_in_backward:
+                self.group.wait_for_unshard()
             return
         self.training_state = TrainingState.PRE_BACKWARD
         emit("backward_start", self.name)
