@@ -115,7 +115,12 @@ def test_accelerate_fsdp2_plugin(runs: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def titan_runs() -> list[dict[Any, Any]]:
-    pytest.importorskip("torchtitan", reason="torchtitan (the clients extra) is not installed")
+    # torchtitan 0.3 needs a torch that has torch.distributed._local_tensor (2.10 and newer):
+    # on an older one its loss module does not import, so there is nothing to compare
+    pytest.importorskip(
+        "torchtitan.components.loss",
+        reason="torchtitan (the clients extra) is not installed or needs a newer torch",
+    )
     import titan
 
     return run_distributed(titan.two_ranks, 2, timeout=600)
