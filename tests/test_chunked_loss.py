@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fullshard.engine.compat import TORCH_VERSION
 from fullshard.testing import run_distributed
-from unit_gathers import by_part, unit_gathers
+from unit_gathers import by_part, torch_groups, unit_gathers
 
 VOCAB, DIM, SEQ, BATCH, CHUNKS, STEPS = 16, 8, 16, 4, 8, 3
 UNITS = ("root", "emb", "blocks.0", "blocks.1", "head")  # head: the [norm, output] unit
@@ -138,7 +139,8 @@ def _single_loss(model: ChunkedNet, h: torch.Tensor, y: torch.Tensor, mark: Any)
 
 def _head_sharded(model: ChunkedNet, engine: str) -> bool:
     if engine == "torch":
-        return all(g.is_sharded for g in model.norm._get_fsdp_state()._fsdp_param_groups)  # type: ignore[operator]
+        state = model.norm._get_fsdp_state()  # type: ignore[operator]
+        return all(g.is_sharded for g in torch_groups(state))
     from fullshard.engine.hooks import STATE_ATTR
     from fullshard.engine.state import ShardedState
 
@@ -204,10 +206,16 @@ CASES = [(flow, policy, ckpt) for flow in ("titan", "single") for policy in (Tru
          for ckpt in (False, True)]  # fmt: skip
 
 
+# FSDP2 runs a unit of several modules called in parts from torch 2.13; before, its backward
+# fails ("data is not allocated"): there fullshard is checked on its own and across transports.
+FSDP2_RUNS_IT = TORCH_VERSION >= (2, 13)
+
+
 def _all_cases() -> dict[tuple, list[dict]]:
     out = {}
     for flow, policy, ckpt in CASES:
-        out[(flow, policy, ckpt, "torch")] = _run("torch", flow, policy, ckpt, "")
+        if FSDP2_RUNS_IT:
+            out[(flow, policy, ckpt, "torch")] = _run("torch", flow, policy, ckpt, "")
         for transport in ("packed", "p2p"):
             out[(flow, policy, ckpt, transport)] = _run("fullshard", flow, policy, ckpt, transport)
     return out
@@ -218,12 +226,14 @@ def results() -> list[dict[tuple, list[dict]]]:
     return run_distributed(_all_cases, 2, timeout=600)
 
 
-def _pairs(results: list[dict[tuple, list[dict]]]) -> Iterator[tuple[tuple, list[dict], list]]:
+def _pairs(
+    results: list[dict[tuple, list[dict]]],
+) -> Iterator[tuple[tuple, list[dict], list | None]]:
     for r in results:
         for flow, policy, ckpt in CASES:
             for transport in ("packed", "p2p"):
                 case = (flow, policy, ckpt, transport)
-                yield case, r[case], r[(flow, policy, ckpt, "torch")]
+                yield case, r[case], r.get((flow, policy, ckpt, "torch"))
 
 
 def test_chunks_gather_what_fsdp2_gathers(results) -> None:
@@ -233,8 +243,9 @@ def test_chunks_gather_what_fsdp2_gathers(results) -> None:
     resharded it."""
     for case, ours, ref in _pairs(results):
         flow, policy = case[0], case[1]
-        for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-            assert a["chunks"] == b["chunks"], (case, step, a["chunks"], b["chunks"])
+        for step, a in enumerate(ours):
+            if ref is not None:
+                assert a["chunks"] == ref[step]["chunks"], (case, step, a["chunks"], ref[step])
             expected = [["head"] if flow == "single" and policy else []] + [[]] * (CHUNKS - 1)
             assert a["chunks"] == expected, (case, step, a["chunks"])
 
@@ -246,9 +257,13 @@ def test_head_gathered_once_per_forward_and_resharded_per_policy(results) -> Non
     FSDP2 gathers it, and every step gathers alike."""
     for case, ours, ref in _pairs(results):
         flow, policy = case[0], case[1]
-        for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-            assert a["head sharded after forward"] is b["head sharded after forward"] is policy
+        for step, a in enumerate(ours):
+            assert a["head sharded after forward"] is policy, (case, step)
             assert a["forward"].count("head") == 1 + (flow == "titan" and policy), (case, a)
+            if ref is None:
+                continue
+            b = ref[step]
+            assert b["head sharded after forward"] is policy, (case, step, b)
             for unit in UNITS:
                 n = sum(p.count(unit) for p in (a["forward"], *a["chunks"], a["backward"]))
                 ref_n = sum(p.count(unit) for p in (b["forward"], *b["chunks"], b["backward"]))
@@ -263,5 +278,9 @@ def test_head_gathered_once_per_forward_and_resharded_per_policy(results) -> Non
 
 def test_losses_match_fsdp2(results) -> None:
     for case, ours, ref in _pairs(results):
+        if ref is None:  # torch before 2.13: the other transport is the reference
+            other = "p2p" if case[3] == "packed" else "packed"
+            ref = results[0][(*case[:3], other)]
+        assert len(ours) == len(ref) == STEPS
         for a, b in zip(ours, ref, strict=True):
             assert abs(a["loss"] - b["loss"]) < 1e-5, (case, a["loss"], b["loss"])

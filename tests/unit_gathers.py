@@ -16,9 +16,17 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["by_part", "unit_gathers"]
+__all__ = ["by_part", "torch_groups", "unit_gathers"]
 
 Gathered = Callable[[], list[str]]
+
+
+def torch_groups(state: Any) -> list[Any]:
+    """FSDP2's param groups of a unit: a list from torch 2.12, one group (or None) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 @contextlib.contextmanager
@@ -28,7 +36,7 @@ def _fsdp2(units: dict[str, nn.Module]) -> Iterator[Gathered]:
     unit_of = {
         id(group.fsdp_params): name
         for name, module in units.items()
-        for group in module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+        for group in torch_groups(module._get_fsdp_state())  # type: ignore[operator]
     }
     original = _fsdp_param_group.foreach_all_gather
     log: list[str] = []
