@@ -115,12 +115,11 @@ def test_accelerate_fsdp2_plugin(runs: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def titan_runs() -> list[dict[Any, Any]]:
-    # torchtitan 0.3 needs a torch that has torch.distributed._local_tensor (2.10 and newer):
-    # on an older one its loss module does not import, so there is nothing to compare
-    pytest.importorskip(
-        "torchtitan.components.loss",
-        reason="torchtitan (the clients extra) is not installed or needs a newer torch",
-    )
+    # torchtitan 0.3 is built for torch 2.13 and newer: on 2.9 its loss module does not import,
+    # on 2.10-2.11 its FSDP helpers (DataParallelMeshDims) do not, on 2.12 its ranks crash
+    if TORCH_VERSION < (2, 13):
+        pytest.skip("torchtitan 0.3 needs torch 2.13 or newer")
+    pytest.importorskip("torchtitan", reason="torchtitan (the clients extra) is not installed")
     import titan
 
     return run_distributed(titan.two_ranks, 2, timeout=600)
