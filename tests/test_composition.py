@@ -25,7 +25,7 @@ import composition_cases
 from composition_cases import BlockNet, block_net
 from fullshard import checkpoint as ckpt
 from fullshard import clip_grad_norm_, count_collectives, fully_shard
-from fullshard.engine.compat import DP_MESH_DIMS
+from fullshard.engine.compat import DP_MESH_DIMS, TORCH_VERSION
 from fullshard.testing import run_distributed
 from parity import GLOBAL_BATCH, batch, full_state, loss_fn, make_net, make_optimizer, shard_net
 from test_composition_extra import BitsGather
@@ -227,12 +227,16 @@ def _check_spmd_forms(r: dict) -> None:
     # beside experts given the other form by shard_placement_fn: as torch FSDP2 does.
     hsdp = ("r", "s"), [("Replicate", None), ("Shard", 0)]
     flat = ("r_s",), [("Shard", 0)]
+    # torch 2.12's FSDP2 keeps a flattened form's parameter on the full mesh, sharded twice
+    # (the same rows per rank); fullshard and 2.13's FSDP2 put it on the flattened mesh
+    torch_flat = flat if TORCH_VERSION >= (2, 13) else (("r", "s"), [("Shard", 0), ("Shard", 0)])
     for form, dense, experts in (("hsdp", hsdp, flat), ("flat", flat, hsdp)):
         ours, fsdp2 = f"spmd_{form}", f"spmd_{form}_fsdp2"
         _check(r, ours)
         _check(r, fsdp2)
         assert r[f"{ours}_placements"] == (dense, experts), r[f"{ours}_placements"]
-        assert r[f"{fsdp2}_placements"] == (dense, experts), r[f"{fsdp2}_placements"]
+        theirs = tuple(torch_flat if x == flat else x for x in (dense, experts))
+        assert r[f"{fsdp2}_placements"] == theirs, r[f"{fsdp2}_placements"]
         assert r[f"{ours}_groups"] == hsdp_beside_flat
         assert r[f"{ours}_losses"] == r[f"{fsdp2}_losses"], form
 
