@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from fullshard import fully_shard
+from fullshard import CommPolicy, fully_shard
 from fullshard.engine.compat import DP_MESH_DIMS, TORCH_VERSION, DataParallelMeshDims
 from fullshard.testing import run_distributed
 from test_composition_extra import _GatherExt
@@ -150,6 +150,55 @@ def _divide_factor_one_rank(shard: Callable[..., Any]) -> dict[str, Any]:
         out[f"grads_{factor}"] = [_full(p.grad) for p in model.parameters()]
         out[f"divisions_{factor}"] = mode.count
     return out
+
+
+FACTOR = 3.0
+
+
+def _summed_grads(shard: Callable[..., Any], transport: str, knobs: bool, hook: bool) -> Any:
+    """One backward, with ``set_force_sum_reduction_for_comms(True)`` and
+    ``set_gradient_divide_factor(FACTOR)`` on every unit (``knobs``); ``hook``: an identity
+    all-reduce hook, which makes a one-rank unit reduce through its collectives."""
+    model = _mlp(2)
+    kw = {"comm_policy": CommPolicy(transport=transport)} if shard is fully_shard else {}
+    for lin in model:
+        shard(lin, **kw)
+    shard(model, **kw)
+    for unit in [*model, model]:
+        if knobs:
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(FACTOR)
+        if hook:
+            unit.set_all_reduce_hook(lambda t: None)
+    model(_data(0)).sum().backward()
+    return [_full(p.grad) for p in model.parameters()]
+
+
+def _force_sum_division() -> dict[str, Any]:
+    """The gradients under force-sum with a divide factor: each fullshard transport (with the
+    hook: never the one-rank ``local`` one), FSDP2's, and FSDP2's mean without the knobs."""
+    out = {"mean": _summed_grads(torch_fully_shard, "", knobs=False, hook=False)}
+    out["fsdp2"] = _summed_grads(torch_fully_shard, "", knobs=True, hook=False)
+    for transport in ("packed", "p2p"):
+        for hook in (False, True):
+            out[transport, hook] = _summed_grads(fully_shard, transport, True, hook)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_force_sum_keeps_the_divide_factor_on_every_transport(world: int) -> None:
+    """The sum divided by the factor, whichever transport a unit runs (on one rank the plain
+    units run none: ``local``), as FSDP2 does; on one rank FSDP2 (torch 2.10+) divides twice
+    (its one-rank copy divides by the factor, then its post-division again), which fullshard
+    does not copy."""
+    r = run_distributed(_force_sum_division, world, timeout=120)[0]
+    want = [world * g / FACTOR for g in r["mean"]]  # the sum over ranks, divided once
+    for key in [k for k in r if isinstance(k, tuple)]:
+        _same(r[key], want, f"transport {key}")
+    theirs = r["fsdp2"]
+    if world == 1 and not torch.allclose(theirs[0], want[0]):
+        theirs = [t * FACTOR for t in theirs]  # FSDP2's second division on one rank
+    _same(theirs, want, "fsdp2")
 
 
 def _process_group_allocator(shard: Callable[..., Any]) -> dict[str, Any]:
