@@ -211,8 +211,14 @@ class StepContext(Generic[U]):
             else:
                 oldest.finish()
 
-    def add_pending(self, pending: list[PendingReduce]) -> None:
-        self.pending.extend(pending)
+    def reduce(self, unit: U, recycle: bool = False, slab: int = 0) -> None:
+        """Issue ``unit``'s reductions (``ParamGroup.reduce_grads``: ``recycle``, ``slab``),
+        first finishing older ones until there is room for them (:meth:`make_room`): how
+        every unit reduces, from its post-backward, the end-of-backward callback or
+        ``finalize_backward``."""
+        group = unit.group
+        self.make_room(group.unsharded_nbytes())
+        self.pending.extend(group.reduce_grads(recycle=recycle, slab=slab))
 
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.
@@ -225,8 +231,7 @@ class StepContext(Generic[U]):
         emit("backward_end", self.root.name)
         for st in self.states:
             if st.group.params and st.training_state is not TrainingState.POST_BACKWARD:
-                self.make_room(st.group.unsharded_nbytes())
-                self.add_pending(st.group.reduce_grads())
+                self.reduce(st)
         if self.root.is_last_backward and not self.manual_active:
             self.end_backward_iteration()
         else:

@@ -303,12 +303,7 @@ class FSDPState:
         # Finish the previous unit's reduction first (it has had this unit's whole backward to
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
-        ctx.make_room(self.group.unsharded_nbytes())
-        ctx.add_pending(
-            self.group.reduce_grads(
-                recycle=self._recycles_in_backward(ctx), slab=ctx.slab_to_start(self)
-            )
-        )
+        ctx.reduce(self, recycle=self._recycles_in_backward(ctx), slab=ctx.slab_to_start(self))
         self.training_state = TrainingState.POST_BACKWARD
 
     # --------------------------------------------------------------------------- helpers
