@@ -403,6 +403,50 @@ def _mesh_dims_errors(shard: Callable[..., Any]) -> dict[str, Any]:
     return out
 
 
+def _int_reshard_with_mesh_dims() -> dict[str, Any]:
+    """An int ``reshard_after_forward`` with ``dp_mesh_dims``, under each engine: the error
+    type ``fully_shard`` raises when the mesh dims are wrong too, and whether
+    ``set_reshard_after_forward(1)`` is refused on a ``dp_mesh_dims`` unit."""
+    from torch.distributed.tensor import distribute_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    out: dict[str, Any] = {}
+    for engine, shard in ENGINES.items():
+        try:
+            shard(
+                nn.Linear(4, 4),
+                mesh=mesh,
+                dp_mesh_dims=DataParallelMeshDims(shard="tp"),
+                reshard_after_forward=1,
+            )
+            out[engine, "fully_shard"] = None
+        except Exception as e:  # the type is what is compared
+            out[engine, "fully_shard"] = type(e).__name__
+        unit = shard(
+            distribute_module(nn.Linear(4, 4), mesh),
+            mesh=mesh,
+            dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+        )
+        try:
+            unit.set_reshard_after_forward(1)
+            out[engine, "set_reshard_after_forward"] = None
+        except Exception as e:
+            out[engine, "set_reshard_after_forward"] = type(e).__name__
+    return out
+
+
+@needs(DP_MESH_DIMS)
+def test_int_reshard_after_forward_with_mesh_dims_is_refused_once_the_mesh_is_valid() -> None:
+    """One validation of ``reshard_after_forward`` for ``fully_shard`` and
+    ``set_reshard_after_forward``: after the mesh's (FSDP2's order: a wrong dim name is what
+    it reports), and refusing the int form with ``dp_mesh_dims`` in both (FSDP2's
+    ``set_reshard_after_forward`` takes only bools: its ``ValueError``)."""
+    r = run_distributed(_int_reshard_with_mesh_dims, 1, timeout=120)[0]
+    assert r["fullshard", "fully_shard"] == r["fsdp2", "fully_shard"] == "ValueError", r
+    assert r["fsdp2", "set_reshard_after_forward"] == "ValueError", r
+    assert r["fullshard", "set_reshard_after_forward"] == "NotImplementedError", r
+
+
 CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "optimizer_in_backward": _optimizer_in_backward,
     "output_dtype_under_recompute": _output_dtype_under_recompute,

@@ -162,11 +162,6 @@ def fully_shard(
             raise ValueError(
                 "dp_mesh_dims names dims of the full SPMD mesh: pass that mesh as mesh=..."
             )
-        if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
-            raise NotImplementedError(  # as FSDP2
-                f"reshard_after_forward={reshard_after_forward} (an int) is not supported with "
-                f"dp_mesh_dims; use True or False"
-            )
         info = mesh_info_from_dims(mesh, dp_mesh_dims)
     elif mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise FullyShardError(
@@ -177,7 +172,7 @@ def fully_shard(
         )
     else:
         info = mesh_info(mesh if mesh is not None else default_mesh())
-    check_reshard_after_forward(reshard_after_forward, info.shard_size)
+    check_reshard_after_forward(reshard_after_forward, info)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):

@@ -249,7 +249,7 @@ class FSDPModule(_TorchFSDPModule):
         group size ``k`` that divides each unit's shard group size."""
         states = self._states(recurse)
         for st in states:  # validate all before changing any
-            check_reshard_after_forward(reshard_after_forward, st.group.world)
+            check_reshard_after_forward(reshard_after_forward, st.group.info)
         for st in states:
             st.reshard_after_forward = reshard_after_forward
             if st.ctx is not None:

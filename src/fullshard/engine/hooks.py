@@ -29,7 +29,7 @@ from .backend import BackendPlan
 from .context import StepContext
 from .events import emit
 from .group import ParamGroup
-from .init import assign_shared_params, check_reshard_after_forward, name_units
+from .init import assign_shared_params, name_units, resolve_reshard_after_forward
 from .labels import labelled
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
@@ -77,8 +77,9 @@ class FSDPState:
     ) -> None:
         self.modules = modules
         self.group = group
+        # as given to fully_shard / set_reshard_after_forward (validated there, by
+        # init.check_reshard_after_forward); reshard_policy says what it means for this unit
         self.reshard_after_forward = reshard_after_forward
-        self.reshard_policy: bool | int = True  # resolved at lazy init
         self.mp_policy = mp_policy
         self._training_state = TrainingState.IDLE
         self.ctx: StepContext[FSDPState] | None = None  # set by lazy init
@@ -160,23 +161,22 @@ class FSDPState:
             st.resolve_reshard()
         return ctx
 
+    @property
+    def reshard_policy(self) -> bool | int:
+        """What this unit does after forward: ``True`` free, ``False`` keep, int ``k`` keep a
+        copy sharded over ``k`` ranks (``reshard_after_forward`` resolved for this unit)."""
+        return resolve_reshard_after_forward(
+            self.reshard_after_forward, self.is_root, self.group.world
+        )
+
     def resolve_reshard(self) -> None:
-        """Turn ``reshard_after_forward`` into ``True`` / ``False`` / a subgroup (int k)."""
-        value = self.reshard_after_forward
-        if value is None:
-            value = not self.is_root
-        group = self.group
-        world = group.world
-        check_reshard_after_forward(value, world)
-        if not isinstance(value, bool) and isinstance(value, int):
-            if value in (1, world):
-                value = value == world
-            else:
-                pg, index = self._context().post_forward_subgroup(group.info, value)
-                group.post_forward_group, group.post_forward_index = pg, index
-        if isinstance(value, bool):
+        """Give the group the ``k``-rank subgroup an int policy keeps its copy in (or none)."""
+        policy, group = self.reshard_policy, self.group
+        if isinstance(policy, bool):
             group.post_forward_group = None
-        self.reshard_policy = value
+        else:
+            pg, index = self._context().post_forward_subgroup(group.info, policy)
+            group.post_forward_group, group.post_forward_index = pg, index
 
     # --------------------------------------------------------------------------- forward
     # [Note: hooks under torch.compile]
