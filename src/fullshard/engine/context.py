@@ -12,7 +12,7 @@ first forward and shared by every unit below it. It holds:
   CPU widened by [Note: a window for small units] in ``fullshard.engine.order``), the
   gradient slabs they fill, and the end-of-backward callback that completes units whose
   backward never fired (unused parameters, frozen inputs);
-- the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per ``k``).
+- the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per set of ranks).
 
 The context is generic over its units, and reads of them only what :class:`StepUnit` names
 (``fullshard.engine.hooks.FSDPState`` is the one kind): the unit hooks import the context,
@@ -30,7 +30,7 @@ from .backend import BackendPlan
 from .comm import CommContext
 from .events import emit
 from .group import ParamGroup
-from .mesh import MeshInfo
+from .mesh import MeshInfo, member_group
 from .order import StepOrder
 from .reduce import PendingReduce, lendable_output_nbytes
 from .state import TrainingState
@@ -96,7 +96,8 @@ class StepContext(Generic[U]):
         # an asynchronous finalize_backward not yet waited on.
         self.manual_active: bool | None = None
         self.active_reduction: object | None = None
-        self._subgroups: dict[int, tuple[dist.ProcessGroup, int]] = {}
+        # the k-rank groups of int reshard_after_forward, by their ranks
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
     def begin_forward(self) -> None:
         """The root's forward starts: the last forward's order becomes the prefetch plan,
@@ -279,14 +280,14 @@ class StepContext(Generic[U]):
 
     # ------------------------------------------------------------------------- subgroups
     def post_forward_subgroup(self, info: MeshInfo, k: int) -> tuple[dist.ProcessGroup, int]:
-        """Process groups of ``k`` consecutive ranks within each shard group of ``info``
-        (created once per ``k``), and this rank's index in its own."""
-        if k not in self._subgroups:
-            mesh = info.mesh.mesh
-            rows = mesh.tolist() if mesh.dim() == 2 else [mesh.tolist()]
-            ranks = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
-            current, _ = dist.new_subgroups_by_enumeration(ranks)
-            me = dist.get_rank()
-            index = next(r.index(me) for r in ranks if me in r)
-            self._subgroups[k] = (current, index)
-        return self._subgroups[k]
+        """The group of the ``k`` consecutive ranks of ``info``'s shard group that holds this
+        rank, and this rank's index in it.
+
+        Taken from the shard group's own ranks (a mesh's ``mesh`` tensor holds only this
+        rank's row when the mesh is a sub-mesh, e.g. ``mesh["dp"]`` beside tensor parallel)
+        and kept by its ranks, not by ``k``: units on different meshes never share one.
+        Only the group's members create it (:func:`~fullshard.engine.mesh.member_group`)."""
+        shard = dist.get_process_group_ranks(info.shard_group)
+        start = shard.index(dist.get_rank()) // k * k
+        group = member_group(shard[start : start + k], self._subgroups, "fullshard_post_forward")
+        return group, dist.get_rank(group)
