@@ -44,11 +44,14 @@ class StepUnit(Protocol):
 
     group: ParamGroup
     training_state: TrainingState
-    is_last_backward: bool  # read on the root
     manual_backward_finalization: bool  # read on the root
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def is_last_backward(self) -> bool:
+        """``set_is_last_backward``'s flag; the root's seeds the context's."""
 
     def __hash__(self) -> int: ...
 
@@ -91,6 +94,8 @@ class StepContext(Generic[U]):
         # The backward (autograd graph task) whose end-of-backward callback is queued; None:
         # none queued since the last one ran.
         self.backward_task: int | None = None
+        # set_is_last_backward, on any unit: one flag for every unit, as FSDP2's state context
+        self.is_last_backward = root.is_last_backward
         # [Note: manual backward finalization] in fullshard.engine.finalize: the mode this
         # backward started in (None: no backward since the iteration ended), and the token of
         # an asynchronous finalize_backward not yet waited on.
@@ -224,7 +229,7 @@ class StepContext(Generic[U]):
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.
 
-        With ``set_is_last_backward(False)`` on the root, the last reductions stay in flight
+        With ``set_is_last_backward(False)`` (on any unit), the last reductions stay in flight
         (finished by the next backward) and the backward prefetch order is kept, as in FSDP2.
         Under manual finalization they stay in flight until ``finalize_backward`` ([Note:
         manual backward finalization] in ``fullshard.engine.finalize``).
@@ -233,7 +238,7 @@ class StepContext(Generic[U]):
         for st in self.states:
             if st.group.params and st.training_state is not TrainingState.POST_BACKWARD:
                 self.reduce(st)
-        if self.root.is_last_backward and not self.manual_active:
+        if self.is_last_backward and not self.manual_active:
             self.end_backward_iteration()
         else:
             for st in self.states:

@@ -85,7 +85,7 @@ class FSDPState:
         self.ctx: StepContext[FSDPState] | None = None  # set by lazy init
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[FSDPState] | None = None
-        self.is_last_backward = True  # read on the root (set_is_last_backward)
+        self._is_last_backward = True  # until lazy init (see is_last_backward)
         # read on the root ([Note: manual backward finalization] in fullshard.engine.finalize)
         self.manual_backward_finalization = False
         self.shared_streams: CommStreams | None = None  # root: from share_comm_ctx
@@ -102,6 +102,21 @@ class FSDPState:
     @property
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
+
+    @property
+    def is_last_backward(self) -> bool:
+        """``set_is_last_backward``'s flag. As in FSDP2 it is the step context's, which every
+        unit of the root shares, so setting it on any unit sets it for the whole model; before
+        lazy init a unit holds its own, and the context starts from the root's (a non-root
+        unit's is dropped then, as FSDP2 drops its context)."""
+        return self.ctx.is_last_backward if self.ctx is not None else self._is_last_backward
+
+    @is_last_backward.setter
+    def is_last_backward(self, value: bool) -> None:
+        if self.ctx is not None:
+            self.ctx.is_last_backward = value
+        else:
+            self._is_last_backward = value
 
     @property
     def training_state(self) -> TrainingState:
