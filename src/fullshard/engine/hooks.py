@@ -279,8 +279,7 @@ class FSDPState:
                 self.group.reshard(recycle=self._recycles_in_forward(ctx))
             elif self.reshard_policy is not False and not local:
                 self.group.reshard_partial()
-            if self.training_state is TrainingState.FORWARD:
-                self.training_state = TrainingState.IDLE
+            self.training_state = TrainingState.IDLE
 
     # -------------------------------------------------------------------------- backward
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
@@ -291,7 +290,7 @@ class FSDPState:
         """Gather this unit for its backward and prefetch the unit that runs backward next."""
         ctx = self._context()
         ctx.ensure_end_of_backward_callback()
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state is TrainingState.PRE_BACKWARD:  # another output's hook
             return
         self.training_state = TrainingState.PRE_BACKWARD
         emit("backward_start", self.name)
