@@ -176,8 +176,13 @@ def _summed_grads(shard: Callable[..., Any], transport: str, knobs: bool, hook: 
 
 def _force_sum_division() -> dict[str, Any]:
     """The gradients under force-sum with a divide factor: each fullshard transport (with the
-    hook: never the one-rank ``local`` one), FSDP2's, and FSDP2's mean without the knobs."""
-    out = {"mean": _summed_grads(torch_fully_shard, "", knobs=False, hook=False)}
+    hook: never the one-rank ``local`` one), FSDP2's, and the unsharded model's summed over
+    the ranks."""
+    ref = _mlp(2)
+    ref(_data(0)).sum().backward()
+    out: dict[Any, Any] = {"sum": [p.grad for p in ref.parameters()]}
+    for grad in out["sum"]:
+        dist.all_reduce(grad)
     out["fsdp2"] = _summed_grads(torch_fully_shard, "", knobs=True, hook=False)
     for transport in ("packed", "p2p"):
         for hook in (False, True):
@@ -192,7 +197,7 @@ def test_force_sum_keeps_the_divide_factor_on_every_transport(world: int) -> Non
     (its one-rank copy divides by the factor, then its post-division again), which fullshard
     does not copy."""
     r = run_distributed(_force_sum_division, world, timeout=120)[0]
-    want = [world * g / FACTOR for g in r["mean"]]  # the sum over ranks, divided once
+    want = [g / FACTOR for g in r["sum"]]  # the sum over ranks, divided once
     for key in [k for k in r if isinstance(k, tuple)]:
         _same(r[key], want, f"transport {key}")
     theirs = r["fsdp2"]
