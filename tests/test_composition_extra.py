@@ -324,6 +324,51 @@ def test_hsdp_tp_8_ranks() -> None:
         _check(r, "hsdp_tp")
 
 
+def _int_reshard_tp(root_on_all_ranks: bool) -> tuple[float, float]:
+    """``reshard_after_forward=2`` on the dp sub-mesh of a (dp=4, tp=2) mesh (a sub-mesh's
+    ``mesh`` holds only this rank's row), the root on that sub-mesh too or over all 8 ranks
+    with the same ``k`` (whose pairs mix tp ranks): the errors against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from fullshard import clip_grad_norm_
+    from test_composition import STEPS as TP_STEPS
+    from test_composition import _compare, _reference, _tp_net
+    from test_composition import _train as _tp_train
+
+    ref_losses, ref_state = _reference(_tp_net, TP_STEPS)
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    model = _tp_net()
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(b, mesh=mesh["dp"], reshard_after_forward=2)
+    everyone = init_device_mesh("cpu", (8,)) if root_on_all_ranks else mesh["dp"]
+    fully_shard(model, mesh=everyone, reshard_after_forward=2)
+    dp = mesh["dp"].get_local_rank()
+    losses = _tp_train(model, TP_STEPS, dp, 4, clip=clip_grad_norm_)
+    out: dict = {}
+    _compare("int_reshard", losses, ref_losses, full_state(model), ref_state, out)
+    return out["int_reshard"]
+
+
+def _int_reshard_cases() -> dict:
+    return {root_everywhere: _int_reshard_tp(root_everywhere) for root_everywhere in (True, False)}
+
+
+def test_int_reshard_after_forward_on_a_tp_sub_mesh_8_ranks() -> None:
+    """Each unit keeps its copy within ``k`` ranks of its own shard group: before, the groups
+    came from the sub-mesh's one row (each tp rank creating other groups: a hang) and were
+    shared by every unit with the same ``k`` (a root over all ranks handed its pairs, which
+    mix tp ranks, to the blocks: wrong gradients)."""
+    for r in run_distributed(_int_reshard_cases, 8, start_method="forkserver", timeout=180):
+        for case, (loss_err, w_err) in r.items():
+            assert loss_err < LOSS_TOL and w_err < WEIGHT_TOL, (case, loss_err, w_err)
+
+
 def _inductor(ref: tuple[list[float], dict], whole_model: bool) -> dict:
     """Per-block (and whole-model) ``torch.compile(backend="inductor")`` against one process."""
     rank, world = dist.get_rank(), dist.get_world_size()

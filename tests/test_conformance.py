@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from fullshard import fully_shard
+from fullshard import CommPolicy, fully_shard
 from fullshard.engine.compat import DP_MESH_DIMS, TORCH_VERSION, DataParallelMeshDims
 from fullshard.testing import run_distributed
 from test_composition_extra import _GatherExt
@@ -150,6 +150,60 @@ def _divide_factor_one_rank(shard: Callable[..., Any]) -> dict[str, Any]:
         out[f"grads_{factor}"] = [_full(p.grad) for p in model.parameters()]
         out[f"divisions_{factor}"] = mode.count
     return out
+
+
+FACTOR = 3.0
+
+
+def _summed_grads(shard: Callable[..., Any], transport: str, knobs: bool, hook: bool) -> Any:
+    """One backward, with ``set_force_sum_reduction_for_comms(True)`` and
+    ``set_gradient_divide_factor(FACTOR)`` on every unit (``knobs``); ``hook``: an identity
+    all-reduce hook, which makes a one-rank unit reduce through its collectives."""
+    model = _mlp(2)
+    kw = {"comm_policy": CommPolicy(transport=transport)} if shard is fully_shard else {}
+    for lin in model:
+        shard(lin, **kw)
+    shard(model, **kw)
+    for unit in [*model, model]:
+        if knobs:
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(FACTOR)
+        if hook:
+            unit.set_all_reduce_hook(lambda t: None)
+    model(_data(0)).sum().backward()
+    return [_full(p.grad) for p in model.parameters()]
+
+
+def _force_sum_division() -> dict[str, Any]:
+    """The gradients under force-sum with a divide factor: each fullshard transport (with the
+    hook: never the one-rank ``local`` one), FSDP2's, and the unsharded model's summed over
+    the ranks."""
+    ref = _mlp(2)
+    ref(_data(0)).sum().backward()
+    out: dict[Any, Any] = {"sum": [p.grad for p in ref.parameters()]}
+    for grad in out["sum"]:
+        dist.all_reduce(grad)
+    out["fsdp2"] = _summed_grads(torch_fully_shard, "", knobs=True, hook=False)
+    for transport in ("packed", "p2p"):
+        for hook in (False, True):
+            out[transport, hook] = _summed_grads(fully_shard, transport, True, hook)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_force_sum_keeps_the_divide_factor_on_every_transport(world: int) -> None:
+    """The sum divided by the factor, whichever transport a unit runs (on one rank the plain
+    units run none: ``local``), as FSDP2 does; on one rank FSDP2 (torch 2.10+) divides twice
+    (its one-rank copy divides by the factor, then its post-division again), which fullshard
+    does not copy."""
+    r = run_distributed(_force_sum_division, world, timeout=120)[0]
+    want = [g / FACTOR for g in r["sum"]]  # the sum over ranks, divided once
+    for key in [k for k in r if isinstance(k, tuple)]:
+        _same(r[key], want, f"transport {key}")
+    theirs = r["fsdp2"]
+    if world == 1 and not torch.allclose(theirs[0], want[0]):
+        theirs = [t * FACTOR for t in theirs]  # FSDP2's second division on one rank
+    _same(theirs, want, "fsdp2")
 
 
 def _process_group_allocator(shard: Callable[..., Any]) -> dict[str, Any]:
@@ -352,6 +406,50 @@ def _mesh_dims_errors(shard: Callable[..., Any]) -> dict[str, Any]:
         except Exception as e:  # the type and message are what is compared
             out[case] = (type(e).__name__, str(e))
     return out
+
+
+def _int_reshard_with_mesh_dims() -> dict[str, Any]:
+    """An int ``reshard_after_forward`` with ``dp_mesh_dims``, under each engine: the error
+    type ``fully_shard`` raises when the mesh dims are wrong too, and whether
+    ``set_reshard_after_forward(1)`` is refused on a ``dp_mesh_dims`` unit."""
+    from torch.distributed.tensor import distribute_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    out: dict[str, Any] = {}
+    for engine, shard in ENGINES.items():
+        try:
+            shard(
+                nn.Linear(4, 4),
+                mesh=mesh,
+                dp_mesh_dims=DataParallelMeshDims(shard="tp"),
+                reshard_after_forward=1,
+            )
+            out[engine, "fully_shard"] = None
+        except Exception as e:  # the type is what is compared
+            out[engine, "fully_shard"] = type(e).__name__
+        unit = shard(
+            distribute_module(nn.Linear(4, 4), mesh),
+            mesh=mesh,
+            dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+        )
+        try:
+            unit.set_reshard_after_forward(1)
+            out[engine, "set_reshard_after_forward"] = None
+        except Exception as e:
+            out[engine, "set_reshard_after_forward"] = type(e).__name__
+    return out
+
+
+@needs(DP_MESH_DIMS)
+def test_int_reshard_after_forward_with_mesh_dims_is_refused_once_the_mesh_is_valid() -> None:
+    """One validation of ``reshard_after_forward`` for ``fully_shard`` and
+    ``set_reshard_after_forward``: after the mesh's (FSDP2's order: a wrong dim name is what
+    it reports), and refusing the int form with ``dp_mesh_dims`` in both (FSDP2's
+    ``set_reshard_after_forward`` takes only bools: its ``ValueError``)."""
+    r = run_distributed(_int_reshard_with_mesh_dims, 1, timeout=120)[0]
+    assert r["fullshard", "fully_shard"] == r["fsdp2", "fully_shard"] == "ValueError", r
+    assert r["fsdp2", "set_reshard_after_forward"] == "ValueError", r
+    assert r["fullshard", "set_reshard_after_forward"] == "NotImplementedError", r
 
 
 CASES: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {

@@ -677,6 +677,43 @@ def _compat_cases() -> dict[str, Any]:
     return out
 
 
+def _finalized(model: Any) -> bool:
+    """Whether the backward just run ended the step: fullshard waited for every reduction;
+    FSDP2 cleared its post-forward order (what it keeps for the next backward otherwise)."""
+    state = model._get_fsdp_state()
+    if isinstance(state, FSDPState):  # fullshard's
+        return not state.ctx.pending and not state.ctx.replicating
+    return not state._comm_ctx.post_forward_order
+
+
+def _last_backward_on_a_child() -> dict[str, Any]:
+    """set_is_last_backward on a unit that is not the root, under fullshard and FSDP2: before
+    the first forward, after it with False, then True; whether each backward ended the step,
+    and the gradients the three backwards accumulated."""
+    out: dict[str, Any] = {}
+    for name, shard in (("fullshard", fully_shard), ("torch", _TORCH_FULLY_SHARD)):
+        model = _model(shard)
+        finalized = []
+        for step, flag in enumerate((False, False, True)):
+            model[1].set_is_last_backward(flag)
+            model(_data(step)).square().mean().backward()
+            finalized.append(_finalized(model))
+        out[name] = (finalized, [p.grad.full_tensor() for p in model.parameters()])
+    return out
+
+
+def test_set_is_last_backward_on_a_unit_that_is_not_the_root() -> None:
+    """FSDP2's flag lives in the context every unit shares: set on a child after the first
+    forward it governs the backward (whose reductions stay in flight), set before it is
+    dropped by the root's lazy init."""
+    for r in run_distributed(_last_backward_on_a_child, 2, timeout=120):
+        (ours, our_grads), (theirs, their_grads) = r["fullshard"], r["torch"]
+        assert theirs == [True, False, True], theirs
+        assert ours == theirs, (ours, theirs)
+        for a, b in zip(our_grads, their_grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def _same_run(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0) -> None:
     assert a["losses"] == pytest.approx(b["losses"], abs=atol, rel=0), (a["losses"], b["losses"])
     assert len(a["weights"]) == len(b["weights"])

@@ -42,6 +42,7 @@ def test_training_moves_that_are_refused() -> None:
     T = TrainingState
     for cur, new in [
         (T.PRE_BACKWARD, T.FORWARD),  # a forward inside the unit's own backward
+        (T.POST_BACKWARD, T.FORWARD),  # a forward after a backward that did not end
         (T.POST_BACKWARD, T.PRE_BACKWARD),  # a second backward before the step ended
         (T.POST_BACKWARD, T.POST_BACKWARD),
         (T.PRE_BACKWARD, T.PRE_BACKWARD),
@@ -49,7 +50,21 @@ def test_training_moves_that_are_refused() -> None:
         assert (cur, new) not in _TRAINING_ALLOWED
 
 
-def _out_of_order() -> str:
+def test_training_moves_are_the_ones_the_hooks_make() -> None:
+    T = TrainingState
+    assert _TRAINING_ALLOWED == {
+        (T.IDLE, T.FORWARD),  # pre-forward
+        (T.FORWARD, T.FORWARD),  # pre-forward of another module of the unit, or a second call
+        (T.IDLE, T.PRE_BACKWARD),  # pre-backward
+        (T.FORWARD, T.PRE_BACKWARD),  # ... of a unit whose forward did not end
+        (T.PRE_BACKWARD, T.POST_BACKWARD),  # post-backward
+        (T.IDLE, T.POST_BACKWARD),  # ... of a unit without a pre-backward hook
+        (T.FORWARD, T.POST_BACKWARD),  # ... nor an ended forward
+        *((t, T.IDLE) for t in T),  # post-forward (FORWARD), the end of a step (any)
+    }
+
+
+def _out_of_order() -> dict[str, str]:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     for lin in model:
         fully_shard(lin)
@@ -57,17 +72,31 @@ def _out_of_order() -> str:
     loss = model(torch.randn(2, 8)).sum()
     loss.backward()
     state = model[0]._get_fsdp_state()
-    state.training_state = TrainingState.POST_BACKWARD  # as if the step had not ended
-    try:
-        state.training_state = TrainingState.PRE_BACKWARD
-    except RuntimeError as e:
-        return str(e)
-    return "accepted"
+    out = {}
+    moves = {
+        "setter": lambda: setattr(state, "training_state", TrainingState.PRE_BACKWARD),
+        "pre-backward hook": state.pre_backward,  # it went around the guard
+        "forward": lambda: model(torch.randn(2, 8)),
+    }
+    for how, move in moves.items():  # the forward last: it leaves the model mid-forward
+        state._training_state = TrainingState.POST_BACKWARD  # as if the step had not ended
+        try:
+            move()
+            out[how] = "accepted"
+        except RuntimeError as e:
+            out[how] = str(e)
+    return out
 
 
 def test_a_hook_out_of_order_names_the_unit() -> None:
-    msg = run_distributed(_out_of_order, 2)[0]
-    assert "unit '0': illegal training-state change post_backward -> pre_backward" in msg, msg
+    out = run_distributed(_out_of_order, 2)[0]
+    for how, new in [
+        ("setter", "pre_backward"),
+        ("pre-backward hook", "pre_backward"),
+        ("forward", "forward"),
+    ]:
+        want = f"unit '0': illegal training-state change post_backward -> {new}"
+        assert want in out[how], (how, out[how])
 
 
 class _ReusesA(nn.Module):

@@ -37,7 +37,7 @@ from .engine.compat import (
 from .engine.group import ParamGroup
 from .engine.hooks import STATE_ATTR, FSDPState, states_under
 from .engine.init import check_reshard_after_forward, claim_params
-from .engine.mesh import default_mesh, mesh_info, mesh_info_from_dims
+from .engine.mesh import MeshInfo, default_mesh, mesh_info, mesh_info_from_dims
 from .engine.policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .engine.streams import CommStreams
 from .module import (
@@ -151,44 +151,28 @@ def fully_shard(
         raise ValueError("fully_shard needs at least one module")
     for m in modules:
         _check_module(m)
-    if dp_mesh_dims is not None:
-        require(DP_MESH_DIMS)
-        if not isinstance(dp_mesh_dims, DataParallelMeshDims):
-            raise TypeError(
-                f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got "
-                f"{type(dp_mesh_dims).__name__}"
-            )
-        if mesh is None:
-            raise ValueError(
-                "dp_mesh_dims names dims of the full SPMD mesh: pass that mesh as mesh=..."
-            )
-        if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
-            raise NotImplementedError(  # as FSDP2
-                f"reshard_after_forward={reshard_after_forward} (an int) is not supported with "
-                f"dp_mesh_dims; use True or False"
-            )
-        info = mesh_info_from_dims(mesh, dp_mesh_dims)
-    elif mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise FullyShardError(
-            f"Please init the 2D mesh for HSDP with mesh_dim_names specified\n"
-            f"a 2-D mesh for HSDP must name its dims (replicate, shard): build it with "
-            f"init_device_mesh(device_type, {tuple(mesh.shape)}, "
-            f"mesh_dim_names=('replicate', 'shard'))"
-        )
-    else:
-        info = mesh_info(mesh if mesh is not None else default_mesh())
-    check_reshard_after_forward(reshard_after_forward, info.shard_size)
+    info = _unit_mesh(mesh, dp_mesh_dims)
+    check_reshard_after_forward(reshard_after_forward, info)
+    ignored = {id(p) for p in (ignored_params or ())}
+    _check_policies_and_devices(modules, mp_policy, offload_policy, ignored)
+    group = _build_group(
+        modules, info, ignored, shard_placement_fn, mp_policy, offload_policy, comm_policy
+    )
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    _install(modules, state)
+    return module
+
+
+def _check_policies_and_devices(
+    modules: tuple[nn.Module, ...], mp_policy: object, offload_policy: object, ignored: set[int]
+) -> None:
+    """The policies' types, and the unit's parameters (but ``ignored``) on one device."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
         )
-    compute_device = info.device
-    shard_device = (
-        torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else compute_device
-    )
-    ignored = {id(p) for p in (ignored_params or ())}
     devices = {
         (fqn, p.device)
         for m in modules
@@ -202,7 +186,47 @@ def fully_shard(
             f"the module to one device (module.to(...)) — or build all of it on meta — "
             f"before fully_shard"
         )
+
+
+def _unit_mesh(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None) -> MeshInfo:
+    """The groups the unit communicates in: ``mesh`` (default: every rank), 1-D or 2-D
+    (replicate, shard), or with ``dp_mesh_dims`` the named dims of the full mesh."""
+    if dp_mesh_dims is not None:
+        require(DP_MESH_DIMS)
+        if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+            raise TypeError(
+                f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got "
+                f"{type(dp_mesh_dims).__name__}"
+            )
+        if mesh is None:
+            raise ValueError(
+                "dp_mesh_dims names dims of the full SPMD mesh: pass that mesh as mesh=..."
+            )
+        return mesh_info_from_dims(mesh, dp_mesh_dims)
+    if mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise FullyShardError(
+            f"Please init the 2D mesh for HSDP with mesh_dim_names specified\n"
+            f"a 2-D mesh for HSDP must name its dims (replicate, shard): build it with "
+            f"init_device_mesh(device_type, {tuple(mesh.shape)}, "
+            f"mesh_dim_names=('replicate', 'shard'))"
+        )
+    return mesh_info(mesh if mesh is not None else default_mesh())
+
+
+def _build_group(
+    modules: tuple[nn.Module, ...],
+    info: MeshInfo,
+    ignored: set[int],
+    shard_placement_fn: Callable[[nn.Parameter], Placement | Any | None] | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    comm_policy: CommPolicy | None,
+) -> ParamGroup:
+    """Shard the parameters no unit below owns and that are not ``ignored`` (they become
+    ``DTensor`` shards on their modules) and make them one unit's group."""
+    compute_device = info.device
     offloaded = isinstance(offload_policy, CPUOffloadPolicy)
+    shard_device = torch.device("cpu") if offloaded else compute_device
     pin = (
         isinstance(offload_policy, CPUOffloadPolicy)
         and offload_policy.pin_memory
@@ -213,7 +237,7 @@ def fully_shard(
         modules, info, shard_device, ignored, pin, shard_placement_fn, mp_policy, below
     )
     name = type(modules[0]).__name__
-    group = ParamGroup(
+    return ParamGroup(
         params,
         info,
         compute_device,
@@ -223,7 +247,13 @@ def fully_shard(
         offloaded=offloaded,
         pin_memory=pin,
     )
-    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+
+
+def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
+    """Make ``modules`` the unit of ``state``: buffers on the compute device, the hooks, the
+    ``FSDP<Name>`` classes and the marks torch's composable APIs and frameworks read; the
+    units already applied below learn which unit encloses them."""
+    compute_device = state.group.device
     for m in modules:
         for sub in m.modules():
             for key, buf in sub._buffers.items():
@@ -239,7 +269,6 @@ def fully_shard(
     for inner in states_under(modules):
         if inner is not state and inner.enclosing is None:
             inner.enclosing = weakref.ref(state)
-    return module
 
 
 # FSDP2's ``fully_shard.state(module)``: the unit's state (``None`` for a module that is no unit)

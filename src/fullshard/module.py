@@ -249,18 +249,21 @@ class FSDPModule(_TorchFSDPModule):
         group size ``k`` that divides each unit's shard group size."""
         states = self._states(recurse)
         for st in states:  # validate all before changing any
-            check_reshard_after_forward(reshard_after_forward, st.group.world)
+            check_reshard_after_forward(reshard_after_forward, st.group.info)
         for st in states:
             st.reshard_after_forward = reshard_after_forward
             if st.ctx is not None:
                 st.resolve_reshard()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the step (call it on the root).
+        """Whether the next backward is the last of the step.
 
         ``False`` (e.g. all but the last micro-batch): the end of that backward does not wait
         for the last reductions still in flight; they finish during the next backward, so
         they overlap its compute. Gradients are complete once a backward with ``True`` ends.
+        As in FSDP2 the flag is one for the whole model: after the first forward, calling it
+        on any unit sets it; before, only the root's call counts (a unit's own is dropped
+        when the root's lazy init makes the shared one, as FSDP2 drops it).
         """
         _state(cast(nn.Module, self)).is_last_backward = is_last_backward
 

@@ -12,7 +12,7 @@ first forward and shared by every unit below it. It holds:
   CPU widened by [Note: a window for small units] in ``fullshard.engine.order``), the
   gradient slabs they fill, and the end-of-backward callback that completes units whose
   backward never fired (unused parameters, frozen inputs);
-- the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per ``k``).
+- the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per set of ranks).
 
 The context is generic over its units, and reads of them only what :class:`StepUnit` names
 (``fullshard.engine.hooks.FSDPState`` is the one kind): the unit hooks import the context,
@@ -30,7 +30,7 @@ from .backend import BackendPlan
 from .comm import CommContext
 from .events import emit
 from .group import ParamGroup
-from .mesh import MeshInfo
+from .mesh import MeshInfo, member_group
 from .order import StepOrder
 from .reduce import PendingReduce, lendable_output_nbytes
 from .state import TrainingState
@@ -44,11 +44,14 @@ class StepUnit(Protocol):
 
     group: ParamGroup
     training_state: TrainingState
-    is_last_backward: bool  # read on the root
     manual_backward_finalization: bool  # read on the root
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def is_last_backward(self) -> bool:
+        """``set_is_last_backward``'s flag; the root's seeds the context's."""
 
     def __hash__(self) -> int: ...
 
@@ -91,12 +94,15 @@ class StepContext(Generic[U]):
         # The backward (autograd graph task) whose end-of-backward callback is queued; None:
         # none queued since the last one ran.
         self.backward_task: int | None = None
+        # set_is_last_backward, on any unit: one flag for every unit, as FSDP2's state context
+        self.is_last_backward = root.is_last_backward
         # [Note: manual backward finalization] in fullshard.engine.finalize: the mode this
         # backward started in (None: no backward since the iteration ended), and the token of
         # an asynchronous finalize_backward not yet waited on.
         self.manual_active: bool | None = None
         self.active_reduction: object | None = None
-        self._subgroups: dict[int, tuple[dist.ProcessGroup, int]] = {}
+        # the k-rank groups of int reshard_after_forward, by their ranks
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
     def begin_forward(self) -> None:
         """The root's forward starts: the last forward's order becomes the prefetch plan,
@@ -211,13 +217,19 @@ class StepContext(Generic[U]):
             else:
                 oldest.finish()
 
-    def add_pending(self, pending: list[PendingReduce]) -> None:
-        self.pending.extend(pending)
+    def reduce(self, unit: U, recycle: bool = False, slab: int = 0) -> None:
+        """Issue ``unit``'s reductions (``ParamGroup.reduce_grads``: ``recycle``, ``slab``),
+        first finishing older ones until there is room for them (:meth:`make_room`): how
+        every unit reduces, from its post-backward, the end-of-backward callback or
+        ``finalize_backward``."""
+        group = unit.group
+        self.make_room(group.unsharded_nbytes())
+        self.pending.extend(group.reduce_grads(recycle=recycle, slab=slab))
 
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.
 
-        With ``set_is_last_backward(False)`` on the root, the last reductions stay in flight
+        With ``set_is_last_backward(False)`` (on any unit), the last reductions stay in flight
         (finished by the next backward) and the backward prefetch order is kept, as in FSDP2.
         Under manual finalization they stay in flight until ``finalize_backward`` ([Note:
         manual backward finalization] in ``fullshard.engine.finalize``).
@@ -225,9 +237,8 @@ class StepContext(Generic[U]):
         emit("backward_end", self.root.name)
         for st in self.states:
             if st.group.params and st.training_state is not TrainingState.POST_BACKWARD:
-                self.make_room(st.group.unsharded_nbytes())
-                self.add_pending(st.group.reduce_grads())
-        if self.root.is_last_backward and not self.manual_active:
+                self.reduce(st)
+        if self.is_last_backward and not self.manual_active:
             self.end_backward_iteration()
         else:
             self._units_idle()
@@ -278,14 +289,14 @@ class StepContext(Generic[U]):
 
     # ------------------------------------------------------------------------- subgroups
     def post_forward_subgroup(self, info: MeshInfo, k: int) -> tuple[dist.ProcessGroup, int]:
-        """Process groups of ``k`` consecutive ranks within each shard group of ``info``
-        (created once per ``k``), and this rank's index in its own."""
-        if k not in self._subgroups:
-            mesh = info.mesh.mesh
-            rows = mesh.tolist() if mesh.dim() == 2 else [mesh.tolist()]
-            ranks = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
-            current, _ = dist.new_subgroups_by_enumeration(ranks)
-            me = dist.get_rank()
-            index = next(r.index(me) for r in ranks if me in r)
-            self._subgroups[k] = (current, index)
-        return self._subgroups[k]
+        """The group of the ``k`` consecutive ranks of ``info``'s shard group that holds this
+        rank, and this rank's index in it.
+
+        Taken from the shard group's own ranks (a mesh's ``mesh`` tensor holds only this
+        rank's row when the mesh is a sub-mesh, e.g. ``mesh["dp"]`` beside tensor parallel)
+        and kept by its ranks, not by ``k``: units on different meshes never share one.
+        Only the group's members create it (:func:`~fullshard.engine.mesh.member_group`)."""
+        shard = dist.get_process_group_ranks(info.shard_group)
+        start = shard.index(dist.get_rank()) // k * k
+        group = member_group(shard[start : start + k], self._subgroups, "fullshard_post_forward")
+        return group, dist.get_rank(group)

@@ -137,8 +137,7 @@ def finalize_backward(root: FSDPState, async_op: bool) -> GradientReductionHandl
     for st in reversed(ctx.states):  # the order backward reduces in
         group = st.group
         if group.params and group.has_unreduced_grads():
-            ctx.make_room(group.unsharded_nbytes())
-            ctx.add_pending(group.reduce_grads())  # reshards per reshard_after_backward
+            ctx.reduce(st)  # reshards per reshard_after_backward
         elif group.reshard_after_backward:
             group.reshard()
         st.training_state = TrainingState.IDLE

@@ -30,7 +30,7 @@ from .backend import BackendPlan
 from .context import StepContext
 from .events import emit
 from .group import ParamGroup
-from .init import assign_shared_params, check_reshard_after_forward, name_units
+from .init import assign_shared_params, name_units, resolve_reshard_after_forward
 from .labels import labelled
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy
@@ -78,14 +78,15 @@ class FSDPState:
     ) -> None:
         self.modules = modules
         self.group = group
+        # as given to fully_shard / set_reshard_after_forward (validated there, by
+        # init.check_reshard_after_forward); reshard_policy says what it means for this unit
         self.reshard_after_forward = reshard_after_forward
-        self.reshard_policy: bool | int = True  # resolved at lazy init
         self.mp_policy = mp_policy
         self._training_state = TrainingState.IDLE
         self.ctx: StepContext[FSDPState] | None = None  # set by lazy init
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit
         self.backward_prefetch: list[FSDPState] | None = None
-        self.is_last_backward = True  # read on the root (set_is_last_backward)
+        self._is_last_backward = True  # until lazy init (see is_last_backward)
         # read on the root ([Note: manual backward finalization] in fullshard.engine.finalize)
         self.manual_backward_finalization = False
         self.shared_streams: CommStreams | None = None  # root: from share_comm_ctx
@@ -102,6 +103,21 @@ class FSDPState:
     @property
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
+
+    @property
+    def is_last_backward(self) -> bool:
+        """``set_is_last_backward``'s flag. As in FSDP2 it is the step context's, which every
+        unit of the root shares, so setting it on any unit sets it for the whole model; before
+        lazy init a unit holds its own, and the context starts from the root's (a non-root
+        unit's is dropped then, as FSDP2 drops its context)."""
+        return self.ctx.is_last_backward if self.ctx is not None else self._is_last_backward
+
+    @is_last_backward.setter
+    def is_last_backward(self, value: bool) -> None:
+        if self.ctx is not None:
+            self.ctx.is_last_backward = value
+        else:
+            self._is_last_backward = value
 
     @property
     def training_state(self) -> TrainingState:
@@ -161,23 +177,22 @@ class FSDPState:
             st.resolve_reshard()
         return ctx
 
+    @property
+    def reshard_policy(self) -> bool | int:
+        """What this unit does after forward: ``True`` free, ``False`` keep, int ``k`` keep a
+        copy sharded over ``k`` ranks (``reshard_after_forward`` resolved for this unit)."""
+        return resolve_reshard_after_forward(
+            self.reshard_after_forward, self.is_root, self.group.world
+        )
+
     def resolve_reshard(self) -> None:
-        """Turn ``reshard_after_forward`` into ``True`` / ``False`` / a subgroup (int k)."""
-        value = self.reshard_after_forward
-        if value is None:
-            value = not self.is_root
-        group = self.group
-        world = group.world
-        check_reshard_after_forward(value, world)
-        if not isinstance(value, bool) and isinstance(value, int):
-            if value in (1, world):
-                value = value == world
-            else:
-                pg, index = self._context().post_forward_subgroup(group.info, value)
-                group.post_forward_group, group.post_forward_index = pg, index
-        if isinstance(value, bool):
+        """Give the group the ``k``-rank subgroup an int policy keeps its copy in (or none)."""
+        policy, group = self.reshard_policy, self.group
+        if isinstance(policy, bool):
             group.post_forward_group = None
-        self.reshard_policy = value
+        else:
+            pg, index = self._context().post_forward_subgroup(group.info, policy)
+            group.post_forward_group, group.post_forward_index = pg, index
 
     # --------------------------------------------------------------------------- forward
     # [Note: hooks under torch.compile]
@@ -307,8 +322,7 @@ class FSDPState:
             self.group.reshard(recycle=self._recycles_in_forward(ctx))
         elif self.reshard_policy is not False and not local:
             self.group.reshard_partial()
-        if self.training_state is TrainingState.FORWARD:
-            self.training_state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
 
     # -------------------------------------------------------------------------- backward
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
@@ -325,7 +339,7 @@ class FSDPState:
         a unit of several modules]): only make sure the unit is gathered."""
         ctx = self._context()
         ctx.ensure_end_of_backward_callback()
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state is TrainingState.PRE_BACKWARD:  # another output's hook
             return
         if not starts:
             if self.group.unshard_in_backward:
@@ -356,12 +370,7 @@ class FSDPState:
         # Finish the previous unit's reduction first (it has had this unit's whole backward to
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
-        ctx.make_room(self.group.unsharded_nbytes())
-        ctx.add_pending(
-            self.group.reduce_grads(
-                recycle=self._recycles_in_backward(ctx), slab=ctx.slab_to_start(self)
-            )
-        )
+        ctx.reduce(self, recycle=self._recycles_in_backward(ctx), slab=ctx.slab_to_start(self))
         self.training_state = TrainingState.POST_BACKWARD
 
     # --------------------------------------------------------------------------- helpers

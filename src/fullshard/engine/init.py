@@ -33,22 +33,51 @@ from .mesh import MeshInfo, mesh_info, mesh_info_from_dims
 from .param import ShardedParam
 from .policies import MixedPrecisionPolicy, keeps_own_dtype
 
-__all__ = ["assign_shared_params", "check_reshard_after_forward", "claim_params", "name_units"]
+__all__ = [
+    "assign_shared_params",
+    "check_reshard_after_forward",
+    "claim_params",
+    "name_units",
+    "resolve_reshard_after_forward",
+]
 
 
-def check_reshard_after_forward(value: object, world: int | None) -> None:
-    """Validate a ``reshard_after_forward`` value (``world``: the shard group size, if known)."""
+def check_reshard_after_forward(value: object, info: MeshInfo) -> None:
+    """The one validation of a ``reshard_after_forward`` value for a unit sharded as ``info``:
+    ``fully_shard`` and ``set_reshard_after_forward`` run it before they change anything, and
+    the unit's state keeps the value as given (:func:`resolve_reshard_after_forward`)."""
     if value is None or isinstance(value, bool):
         return
     if not isinstance(value, int) or value < 1:
         raise ValueError(
             f"reshard_after_forward must be True, False, None or a positive int, got {value!r}"
         )
-    if world is not None and world % value != 0:
-        raise ValueError(
-            f"reshard_after_forward={value} must divide the shard group size {world}: after "
-            f"forward each group of {value} ranks keeps one copy sharded among them"
+    if info.spmd is not None:  # FSDP2's message first
+        raise NotImplementedError(
+            f"reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)\n"
+            f"reshard_after_forward={value} (an int) is not supported with dp_mesh_dims; use "
+            f"True or False"
         )
+    if info.shard_size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group size "
+            f"{info.shard_size}: after forward each group of {value} ranks keeps one copy "
+            f"sharded among them"
+        )
+
+
+def resolve_reshard_after_forward(
+    value: bool | int | None, is_root: bool, world: int
+) -> bool | int:
+    """What a unit does after forward under a (validated) ``reshard_after_forward``: ``True``
+    frees, ``False`` keeps, an int ``k`` keeps a copy sharded over ``k`` ranks. ``None`` is
+    ``False`` for the root and ``True`` for the rest; ``k`` = 1 keeps everything (``False``),
+    ``k`` = the shard group size frees (``True``)."""
+    if value is None:
+        return not is_root
+    if isinstance(value, bool) or value not in (1, world):
+        return value
+    return value == world
 
 
 def claim_params(

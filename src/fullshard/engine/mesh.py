@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,7 +13,14 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from .backend import serving_backend
 from .compat import DataParallelMeshDims, concatenate_meshes
 
-__all__ = ["MeshInfo", "SpmdDims", "default_mesh", "mesh_info", "mesh_info_from_dims"]
+__all__ = [
+    "MeshInfo",
+    "SpmdDims",
+    "default_mesh",
+    "member_group",
+    "mesh_info",
+    "mesh_info_from_dims",
+]
 
 
 def _device_type() -> str:
@@ -159,3 +167,20 @@ def mesh_info_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInf
     else:
         info = mesh_info(concatenate_meshes([sub(dims.replicate_names), shard]))
     return replace(info, spmd=spmd)
+
+
+def member_group(
+    ranks: Sequence[int], made: dict[tuple[int, ...], dist.ProcessGroup], desc: str
+) -> dist.ProcessGroup:
+    """The process group of ``ranks`` (this rank among them): ``made``'s group for the same
+    ranks, else a new one, recorded in ``made``, that only its members create
+    (``use_local_synchronization``: the other ranks take no part, and groups of different
+    ranks are created independently). Every member must ask for it, like any collective
+    setup."""
+    key = tuple(sorted(ranks))
+    group = made.get(key)
+    if group is None:
+        group = dist.new_group(list(key), use_local_synchronization=True, group_desc=desc)
+        assert group is not None  # this rank is a member
+        made[key] = group
+    return group

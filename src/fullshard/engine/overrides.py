@@ -51,6 +51,8 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from .mesh import member_group
+
 __all__ = [
     "AllGatherComm",
     "BackendAllGather",
@@ -236,21 +238,14 @@ def separate_reduce_scatter_groups(
     reusing any group in ``existing`` already made for the same ranks.
 
     Only the members of each new group take part in creating it
-    (``use_local_synchronization``), so HSDP's shard groups are created independently; every
-    member must make the call, like any collective setup.
+    (:func:`~fullshard.engine.mesh.member_group`), so HSDP's shard groups are created
+    independently; every member must make the call, like any collective setup.
     """
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for group in existing:
         if group is not None:
-            made.setdefault(tuple(dist.get_process_group_ranks(group)), group)
-    out = []
-    for shard in shard_groups:
-        ranks = tuple(dist.get_process_group_ranks(shard))
-        if ranks not in made:
-            new = dist.new_group(
-                list(ranks), use_local_synchronization=True, group_desc="fullshard_reduce_scatter"
-            )
-            assert new is not None  # this rank is a member
-            made[ranks] = new
-        out.append(made[ranks])
-    return out
+            made.setdefault(tuple(sorted(dist.get_process_group_ranks(group))), group)
+    return [
+        member_group(dist.get_process_group_ranks(shard), made, "fullshard_reduce_scatter")
+        for shard in shard_groups
+    ]

@@ -54,11 +54,13 @@ from .streams import CommStreams
 from .unit import CommUnit
 
 __all__ = [
+    "GradDivision",
     "PartialReduce",
     "PendingReduce",
     "ReduceUnit",
     "collect_grads",
     "fp16_pre_divide",
+    "grad_division",
     "hand_out_local",
     "lendable_output_nbytes",
     "start_reduce",
@@ -131,7 +133,7 @@ class PendingReduce:
     params: list[ShardedParam]
     offsets: list[int]
     replicate_group: dist.ProcessGroup | None
-    divide_after: float
+    division: GradDivision
     send: object  # what the collective reads (packed input or gradients) until it ends
     what: str  # for error messages
     streams: CommStreams
@@ -142,14 +144,7 @@ class PendingReduce:
     partial: PartialReduce | None = None
     allreduce_issued: bool = False
     overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
-    force_sum: bool = False  # set_force_sum_reduction_for_comms: the hook sees sums
     nbytes: int = 0  # the unit's unsharded bytes, for the CPU's window of reductions in flight
-
-    @property
-    def _hook_sees_mean(self) -> bool:
-        """Divide before the hook unless the division is split around the reduction (fp16)
-        or sums were asked for (see [Note: the all-reduce hook])."""
-        return self.output.dtype != torch.float16 and not self.force_sum
 
     def advance(self) -> None:
         """Once the reduce-scatter is done, start the all-reduce across replicas (HSDP)."""
@@ -174,13 +169,14 @@ class PendingReduce:
             self.partial.add(self.output, self.params)
             return
         hook = self.overrides is not None and self.overrides.all_reduce_hook is not None
-        if self.divide_after != 1.0 and (not hook or self._hook_sees_mean):
-            self.output.div_(self.divide_after)
+        post, mean_first = self.division.post, self.division.hook_sees_mean
+        if post != 1.0 and (not hook or mean_first):
+            self.output.div_(post)
         if hook:  # see [Note: the all-reduce hook]
             assert self.overrides is not None
             run_hook(self.overrides, self.output)
-            if self.divide_after != 1.0 and not self._hook_sees_mean:
-                self.output.div_(self.divide_after)
+            if post != 1.0 and not mean_first:
+                self.output.div_(post)
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
             # a CPU run moves nothing, except under a stream checker ([Note: the offload
@@ -248,6 +244,40 @@ def fp16_pre_divide(factor: float) -> float:
     return 2.0 ** math.ceil(math.log2(factor) / 2)
 
 
+@dataclass(frozen=True)
+class GradDivision:
+    """How a unit's reduced gradients are divided: ``pre`` before the reduction, ``post``
+    after it (``pre * post`` is the whole factor), and whether an all-reduce hook runs after
+    the division (it sees the mean) or before ``post`` (it sees the sum)."""
+
+    pre: float
+    post: float
+    hook_sees_mean: bool
+
+    @property
+    def factor(self) -> float:
+        """The whole factor (exactly ``pre * post``: ``pre`` is a power of two)."""
+        return self.pre * self.post
+
+
+def grad_division(g: ReduceUnit, dtype: torch.dtype) -> GradDivision:
+    """The one place a unit's gradient division is decided, for every transport (packed, in
+    pieces, local) and every shard group size.
+
+    The factor is ``set_gradient_divide_factor``'s, else the data-parallel size (shard x
+    replicate ranks: the mean). fp16 (``dtype``, the dtype reduced in) splits it around the
+    reduction (:func:`fp16_pre_divide`). ``set_force_sum_reduction_for_comms`` changes only
+    when an all-reduce hook runs (see [Note: the all-reduce hook]), never the factor: as in
+    FSDP2, the gradients are divided by it all the same.
+    """
+    factor = g.overrides.gradient_divide_factor
+    if factor is None:
+        factor = float(g.world * g.info.replicate_size)
+    fp16 = dtype == torch.float16
+    pre = fp16_pre_divide(factor) if fp16 else 1.0
+    return GradDivision(pre, factor / pre, not fp16 and not g.overrides.force_sum_reduction)
+
+
 def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> PendingReduce:
     """Reduce-scatter ``ready``'s gradients the way the unit's transport says; empties
     ``ready`` (so the caller holds no gradient references)."""
@@ -256,16 +286,13 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     for sp, _ in ready:
         offsets.append(off)
         off += sp.shard_numel
-    factor = g.overrides.gradient_divide_factor
-    if factor is None:
-        factor = float(g.world * g.info.replicate_size)
-    pre = fp16_pre_divide(factor) if dtype == torch.float16 else 1.0
+    division = grad_division(g, dtype)
     hsdp = g.info.replicate_size > 1
     in_pieces = (
         not C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
         and g.transport.reduces_in_pieces
         and g.overrides.reduce_scatter is None  # a custom reduce-scatter takes packed buffers
-        and pre == 1.0
+        and division.pre == 1.0
         and all(grad.dtype == dtype and grad.is_contiguous() for _, grad in ready)
     )
     emit("reduce_issue", g.name, "pieces" if in_pieces else "packed")
@@ -277,7 +304,9 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         if in_pieces:
             handle, out, send = _reduce_in_pieces(g, params, grads, offsets, off, dtype, what)
         else:
-            handle, out, send = _reduce_packed(g, params, grads, offsets, off, dtype, pre, what)
+            handle, out, send = _reduce_packed(
+                g, params, grads, offsets, off, dtype, division.pre, what
+            )
     return PendingReduce(
         g.name,
         handle,
@@ -285,7 +314,7 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         params,
         offsets,
         g.info.replicate_group if hsdp and g.overrides.requires_all_reduce else None,
-        factor / pre,
+        division,
         send,
         what,
         g.comm.streams,
@@ -293,7 +322,6 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         pin=g.pin_memory,
         partial=g.partial if hsdp else None,
         overrides=g.overrides,
-        force_sum=g.overrides.force_sum_reduction,
         nbytes=g.unsharded_nbytes(),
     )
 
@@ -399,10 +427,9 @@ def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
     """Local transport (one rank, unsharded parameters alias the shards): each gradient is
     its shard's gradient as it is (see [Note: a shard group of one rank] in
-    ``fullshard.engine.group``); empties ``ready``."""
-    factor = g.overrides.gradient_divide_factor
-    if factor is None or g.overrides.force_sum_reduction:
-        factor = 1.0  # the mean over one rank
+    ``fullshard.engine.group``), divided as any reduction's (:func:`grad_division`); empties
+    ``ready``."""
+    factor = grad_division(g, g.wire_reduce_dtype()).factor
     emit("reduce_issue", g.name, "local")
     with torch.no_grad():
         for sp, grad in ready:

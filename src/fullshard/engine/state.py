@@ -16,17 +16,22 @@ names the unit: a hook firing in an unexpected order fails loudly instead of cor
 
 [Note: training state]
 ``TrainingState`` is where a unit is in the step, guarded the same way
-(:func:`training_transition`):
+(:func:`training_transition`); the table holds the moves the hooks make, no others:
 
-    IDLE --pre-forward--> FORWARD --post-forward--> IDLE   (FORWARD again: a unit called twice)
+    IDLE --pre-forward--> FORWARD --post-forward--> IDLE
+    FORWARD --pre-forward--> FORWARD   (another of the unit's modules, or the unit called
+                                        again, before its forward ended)
     IDLE | FORWARD --pre-backward--> PRE_BACKWARD --post-backward--> POST_BACKWARD
     IDLE | FORWARD --post-backward--> POST_BACKWARD   (a unit with no pre-backward hook:
                                                        one rank, or outputs needing no grad)
-    POST_BACKWARD --pre-forward--> FORWARD   (a forward before the end-of-backward callback)
     any --end of backward / reset_iter_state / finalize_backward--> IDLE
 
-A unit's pre-backward or forward during its own backward (outside activation-checkpoint
-recomputation, which changes no state) is refused.
+(FORWARD --backward--> is a unit of several modules whose forward did not end: one of its
+modules did not run.) Every hook moves through the guard; the only calls that leave the state
+as it is are a pre-backward in PRE_BACKWARD (the hook of another output of the unit) and a
+recomputation under activation checkpointing (a forward during backward). Refused: a forward
+in PRE_BACKWARD or POST_BACKWARD (after a backward that raised: ``reset_iter_state`` first),
+and a pre-backward or post-backward after the unit's post-backward, before the step ended.
 """
 
 from __future__ import annotations
@@ -90,7 +95,6 @@ _TRAINING_ALLOWED: frozenset[tuple[TrainingState, TrainingState]] = frozenset(
     {
         (_T.IDLE, _T.FORWARD),
         (_T.FORWARD, _T.FORWARD),
-        (_T.POST_BACKWARD, _T.FORWARD),
         (_T.IDLE, _T.PRE_BACKWARD),
         (_T.FORWARD, _T.PRE_BACKWARD),
         (_T.PRE_BACKWARD, _T.POST_BACKWARD),
