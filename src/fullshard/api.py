@@ -37,7 +37,7 @@ from .engine.compat import (
 from .engine.group import ParamGroup
 from .engine.hooks import STATE_ATTR, FSDPState, states_under
 from .engine.init import check_reshard_after_forward, claim_params
-from .engine.mesh import default_mesh, mesh_info, mesh_info_from_dims
+from .engine.mesh import MeshInfo, default_mesh, mesh_info, mesh_info_from_dims
 from .engine.policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .engine.streams import CommStreams
 from .module import (
@@ -53,6 +53,7 @@ from .torch_state import fully_shard_state
 __all__ = [
     "FSDPModule",
     "UnshardHandle",
+    "build_unit",
     "fully_shard",
     "register_fsdp_forward_method",
     "share_comm_ctx",
@@ -88,7 +89,6 @@ def _fsdp_class(cls: type) -> type:
 
 def _install_hooks(module: nn.Module, state: FSDPState) -> None:
     module.__dict__[STATE_ATTR] = state
-    module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True)
 
@@ -177,6 +177,39 @@ def fully_shard(
         )
     else:
         info = mesh_info(mesh if mesh is not None else default_mesh())
+    build_unit(
+        modules,
+        info,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        comm_policy=comm_policy,
+    )
+    for m in modules:
+        m.__class__ = _fsdp_class(type(m))
+        # torch's composable registry names the APIs applied to a module; replicate() and
+        # torch's other composable APIs skip (or refuse) modules marked "fully_shard"
+        m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
+    return module
+
+
+def build_unit(
+    modules: tuple[nn.Module, ...],
+    info: MeshInfo,
+    *,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | Any | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - never mutated
+    ignored_params: set[nn.Parameter] | None = None,
+    comm_policy: CommPolicy | None = None,
+) -> FSDPState:
+    """Make ``modules`` one unit over ``info``'s mesh: claim and shard their parameters, install
+    the unit's hooks and link the units below to it. What ``fully_shard`` does, less FSDP2's
+    identity (the ``FSDP<Name>`` class and torch's composable registry), which ``fully_shard``
+    adds and other front ends (``fullshard.fsdp1``) do not."""
     check_reshard_after_forward(reshard_after_forward, info.shard_size)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -230,16 +263,13 @@ def fully_shard(
                 if buf is not None and buf.device.type not in ("meta", compute_device.type):
                     sub._buffers[key] = buf.to(compute_device)
         _install_hooks(m, state)
-        # torch's composable registry names the APIs applied to a module; replicate() and
-        # torch's other composable APIs skip (or refuse) modules marked "fully_shard"
-        m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
         for sub in m.modules():  # what FSDP2 marks, and what transformers / dynamo look for
             sub._is_fsdp_managed_module = True  # type: ignore[assignment]
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     for inner in states_under(modules):
         if inner is not state and inner.enclosing is None:
             inner.enclosing = weakref.ref(state)
-    return module
+    return state
 
 
 # FSDP2's ``fully_shard.state(module)``: the unit's state (``None`` for a module that is no unit)
