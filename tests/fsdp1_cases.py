@@ -89,9 +89,11 @@ def train(
     after_backward: Callable[[nn.Module], None] | None = None,
     optim: torch.optim.Optimizer | None = None,
     first_step: int = 0,
+    norms: list[torch.Tensor] | None = None,
 ) -> tuple[list[float], torch.optim.Optimizer]:
     """AdamW steps on the global batch (``micro`` micro-batches, all but the last under
-    ``no_sync()``); returns the global losses (and the optimizer)."""
+    ``no_sync()``); returns the global losses (and the optimizer). With ``clip``, the norms
+    ``clip_grad_norm_`` returns are appended to ``norms``."""
     opt = optim or torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(first_step, first_step + steps):
@@ -108,7 +110,9 @@ def train(
         if after_backward is not None:
             after_backward(model)
         if clip is not None:
-            model.clip_grad_norm_(clip)  # type: ignore[operator]
+            norm = model.clip_grad_norm_(clip)  # type: ignore[operator]
+            if norms is not None:
+                norms.append(norm)
         opt.step()
         opt.zero_grad()
         dist.all_reduce(total)

@@ -34,6 +34,11 @@ def _settings(model: nn.Module) -> StateDictSettings:
     return get_state_dict_type(wrappers)
 
 
+def _sorted(model: nn.Module) -> bool:
+    """FSDP1 orders the entries by name when the model uses its original parameters."""
+    return any(getattr(m, "_use_orig_params", False) for m in model.modules())
+
+
 def _order(
     model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: OptimInput
 ) -> list[nn.Parameter]:
@@ -97,6 +102,7 @@ class OptimStateDictMethods:
             "full" if full_state_dict else "sharded",
             offload_to_cpu=cpu_offload and full_state_dict,
             rank0_only=rank0_only,
+            sort=_sorted(model),
         )
 
     @staticmethod
@@ -220,6 +226,7 @@ class OptimStateDictMethods:
             form,
             offload_to_cpu=getattr(config, "offload_to_cpu", True),
             rank0_only=getattr(config, "rank0_only", False),
+            sort=_sorted(model),
         )
 
     @staticmethod

@@ -69,8 +69,10 @@ def export_optim_state(
     *,
     offload_to_cpu: bool,
     rank0_only: bool,
+    sort: bool = False,
 ) -> dict[str, Any]:
-    """``osd`` (keyed by position in ``params``) keyed by FQN, its tensors in ``form``.
+    """``osd`` (keyed by position in ``params``) keyed by FQN, its tensors in ``form``; the
+    entries by name with ``sort``, else by position.
 
     Collective for ``full``: every rank calls it, in the same order.
     """
@@ -84,8 +86,10 @@ def export_optim_state(
             )
         name_of.append(fqns[id(p)])
     state: dict[str, Any] = {}
-    for index, entries in sorted(osd["state"].items()):
+    for index, entries in sorted(osd["state"].items()):  # the same order on every rank
         state[name_of[index]] = {k: _export(v, form, offload_to_cpu) for k, v in entries.items()}
+    if sort:  # FSDP1's order: by name with use_orig_params=True, by parameter otherwise
+        state = {name: state[name] for name in sorted(state)}
     if form == "full" and rank0_only and dist.get_rank() != 0:
         return {}
     groups = [
@@ -120,7 +124,7 @@ def import_optim_state(
     groups = [
         {
             **{k: v for k, v in g.items() if k != "params"},
-            "params": [_index(index_of, n) for n in g["params"]],
+            "params": sorted(_index(index_of, n) for n in g["params"]),
         }
         for g in osd["param_groups"]
     ]
@@ -144,10 +148,10 @@ def _index(index_of: dict[str, int], name: str) -> int:
 def _import(value: Any, param: nn.Parameter, local: bool) -> Any:
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
-    if not isinstance(param, DTensor):
-        return value
+    if not isinstance(param, DTensor) or value.dim() == 0:
+        return value.clone()  # the optimizer keeps it as it is (Adam's "step")
     if local:
-        return wrap_like(param, value) if value.dim() == param.dim() else value
+        return wrap_like(param, value.clone()) if value.dim() == param.dim() else value.clone()
     if tuple(value.shape) != tuple(param.shape):
         return value  # e.g. a scalar "step"
     return shard_like(param, value)

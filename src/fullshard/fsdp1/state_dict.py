@@ -21,8 +21,9 @@ names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1):
 - before ``load_state_dict()``: the keys get ``_fsdp_wrapped_module.`` back, and a value meant
   for one of the wrapper's sharded parameters that is not a ``DTensor`` is cut to this rank's
   rows: a full tensor (any type but ``LOCAL``) or the local shard (``LOCAL``); a ``DTensor``
-  is copied as it is. So a full state dict, a sharded one, or FSDP1's
-  ``SHARDED_STATE_DICT`` with ``_use_dtensor`` loads whatever type is set.
+  laid out like the parameter is copied as it is, one laid out otherwise (another strategy's
+  or mesh's) is gathered and cut. So a full state dict, a sharded one from any strategy, or
+  FSDP1's ``SHARDED_STATE_DICT`` with ``_use_dtensor`` loads whatever type is set.
 
 The hooks run bottom-up on save (each wrapper renames its own prefix after its children did)
 and top-down on load, as FSDP1's do.
@@ -76,7 +77,8 @@ def clean_fqn(name: str) -> str:
 
 
 def shard_like(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the full tensor ``full``, placed like ``target`` (no collective)."""
+    """This rank's part of the full tensor ``full``, placed like ``target`` (no collective); a
+    copy, never a view of ``full`` (an optimizer would otherwise update the caller's dict)."""
     if not isinstance(target, DTensor):
         return full
     if tuple(full.shape) != tuple(target.shape):
@@ -84,7 +86,7 @@ def shard_like(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
             f"a full tensor of shape {list(full.shape)} cannot be loaded into a parameter of "
             f"shape {list(target.shape)}"
         )
-    return wrap_like(target, full.detach()[slices(local_box(target, "state dict"))].contiguous())
+    return wrap_like(target, full.detach()[slices(local_box(target, "state dict"))].clone())
 
 
 # ------------------------------------------------------------------------------ settings
@@ -236,6 +238,9 @@ def _before_load(
     wrapped: nn.Module = cast(Any, module)._fsdp_wrapped_module
     for name, p in wrapped.named_parameters(prefix=inner[:-1], remove_duplicate=False):
         value = state_dict.get(name)
-        if isinstance(p, DTensor) and isinstance(value, torch.Tensor):
-            if not isinstance(value, DTensor):
-                state_dict[name] = wrap_like(p, value) if local else shard_like(p, value)
+        if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor)):
+            continue
+        if not isinstance(value, DTensor):
+            state_dict[name] = wrap_like(p, value) if local else shard_like(p, value)
+        elif value.device_mesh != p.device_mesh or value.placements != p.placements:
+            state_dict[name] = shard_like(p, value.full_tensor())  # another layout: reshard
