@@ -420,3 +420,67 @@ def test_optimizer_state_dicts_match_fsdp1_and_resume() -> None:
         assert rekeyed_o["param_groups"] == rekeyed_t["param_groups"]
         for how in (k for k in out if k.startswith("resumed/")):
             assert out[how] == pytest.approx(out["continued"], rel=1e-6), how
+
+
+# --------------------------------------------------------------------- summon_full_params
+def _summon_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for e, cls in ENGINES.items():
+        for strategy in (S.FULL_SHARD, S.NO_SHARD):
+            key = f"{e}/{strategy.name}"
+            model = wrap(e, sharding_strategy=strategy)
+            train(model, 1)
+            with cls.summon_full_params(model):
+                out[f"inside/{key}"] = {
+                    n: (tuple(p.shape), p.detach().clone()) for n, p in model.named_parameters()
+                }
+                out[f"state/{key}"] = model.training_state.name
+                with pytest.raises(AssertionError, match="already unsharding"):
+                    with cls.summon_full_params(model):
+                        pass
+                model.module.head.weight.data.add_(1.0)  # written back
+            with cls.summon_full_params(model, writeback=False):
+                model.module.head.bias.data.add_(1.0)  # dropped (kept under NO_SHARD)
+            out[f"after/{key}"] = full_state(model)
+            with cls.summon_full_params(model, rank0_only=True, writeback=False):
+                out[f"rank0/{key}"] = tuple(model.module.head.weight.shape)
+            with cls.summon_full_params(model, recurse=False):
+                out[f"recurse=False/{key}"] = (
+                    tuple(model.module.head.weight.shape),
+                    model.module.blocks[0].module.up.weight.dim(),
+                )
+            for bad in ({"rank0_only": True}, {"offload_to_cpu": True, "with_grads": True}):
+                with pytest.raises(NotImplementedError):
+                    with cls.summon_full_params(model, **bad):
+                        pass
+            if strategy is S.NO_SHARD:
+                with pytest.raises(NotImplementedError):
+                    with cls.summon_full_params(model, offload_to_cpu=True):
+                        pass
+    return out
+
+
+def test_summon_full_params_matches_fsdp1() -> None:
+    """Inside: clean names, full shapes and values, training_state SUMMON_FULL_PARAMS, no
+    nesting; writeback keeps changes, writeback=False drops them (not under NO_SHARD, as
+    FSDP1); rank0_only, recurse=False; FSDP1's refusals. FSDP1's shards are 1-D views of its
+    flat parameter, fullshard's are DTensors of the full shape: recurse=False is compared on
+    the unit summoned (and, for the child, on its being left sharded)."""
+    for rank, out in enumerate(run_distributed(_summon_cases, 2)):
+        for strategy in ("FULL_SHARD", "NO_SHARD"):
+            t, o = f"torch/{strategy}", f"fullshard/{strategy}"
+            inside_t, inside_o = out[f"inside/{t}"], out[f"inside/{o}"]
+            assert list(inside_t) == list(inside_o)
+            assert "head.weight" in inside_o
+            for name, (shape, value) in inside_t.items():
+                assert inside_o[name][0] == shape, name
+                assert torch.allclose(inside_o[name][1], value, atol=1e-6), name
+            assert out[f"state/{t}"] == out[f"state/{o}"] == "SUMMON_FULL_PARAMS"
+            after_t, after_o = out[f"after/{t}"], out[f"after/{o}"]
+            assert max_diff(after_t, after_o) <= 1e-6, strategy
+            kept = strategy == "NO_SHARD"
+            bias = after_o["head.bias"] - inside_o["head.bias"][1]
+            assert torch.allclose(bias, torch.full_like(bias, float(kept))), strategy
+            assert out[f"rank0/{t}"][0] == out[f"rank0/{o}"][0] == 13 or rank != 0
+            assert out[f"recurse=False/{o}"] == ((13, 10), 2)  # the child: a 2-D DTensor
+            assert out[f"recurse=False/{t}"][0] == (13, 10)

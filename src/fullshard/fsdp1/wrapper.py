@@ -449,8 +449,13 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             wrappers = [module] if isinstance(module, FullyShardedDataParallel) else []
         no_shard = any(w.world_size == 1 and w._has_params for w in wrappers)
         check_summon_args(writeback, rank0_only, offload_to_cpu, with_grads, no_shard)
-        for w in wrappers:
-            w._assert_state(TrainingState.IDLE)
+        for w in wrappers:  # FSDP1's checks and messages
+            if w.training_state is TrainingState.FORWARD_BACKWARD:
+                raise AssertionError("Cannot manually unshard parameters during forward/backward")
+            if w.training_state is TrainingState.SUMMON_FULL_PARAMS:
+                raise AssertionError(
+                    "Cannot manually unshard parameters when already unsharding parameters"
+                )
         with summon([w._unit for w in wrappers], writeback, rank0_only, offload_to_cpu, with_grads):
             for w in wrappers:
                 w._summoning = True
