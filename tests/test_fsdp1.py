@@ -8,6 +8,7 @@ paths does not (noted per test), the reference is a single process instead.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -25,10 +26,24 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     StateDictType,
 )
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    always_wrap_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+from torch.distributed.fsdp.wrap import wrap as wrap_module
 
 import fullshard
 from fsdp1_cases import (
+    CPU,
+    DIM,
     ENGINES,
+    VOCAB,
+    Block,
     full_grads,
     full_state,
     local_shard,
@@ -484,3 +499,125 @@ def test_summon_full_params_matches_fsdp1() -> None:
             assert out[f"rank0/{t}"][0] == out[f"rank0/{o}"][0] == 13 or rank != 0
             assert out[f"recurse=False/{o}"] == ((13, 10), 2)  # the child: a 2-D DTensor
             assert out[f"recurse=False/{t}"][0] == (13, 10)
+
+
+# ------------------------------------------------------------------------- wrap policies
+class BNNet(torch.nn.Module):
+    """A BatchNorm between linears: FSDP1 wraps it apart, in full precision, under a policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.a = torch.nn.Linear(DIM, DIM)
+        self.bn = torch.nn.BatchNorm1d(DIM)
+        self.b = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.embed(idx)).flatten(0, 1)
+        return self.b(self.bn(h)).view(*idx.shape, VOCAB)
+
+
+def _policies() -> dict[str, tuple[Any, dict[str, Any]]]:
+    def custom(m: torch.nn.Module) -> bool | dict[str, Any]:
+        if isinstance(m, torch.nn.Embedding):
+            return {"sharding_strategy": S.SHARD_GRAD_OP}
+        return isinstance(m, Block)
+
+    return {
+        "ModuleWrapPolicy": (ModuleWrapPolicy({Block}), {}),
+        "transformer_auto_wrap_policy": (
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            {},
+        ),
+        "size_based_auto_wrap_policy": (
+            functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+            {},
+        ),
+        "lambda_auto_wrap_policy": (
+            functools.partial(
+                lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, torch.nn.Linear)
+            ),
+            {},
+        ),
+        "always_wrap_policy": (always_wrap_policy, {}),
+        "CustomPolicy": (CustomPolicy(custom), {}),
+        "ModuleWrapPolicy+bf16": (ModuleWrapPolicy({Block}), {"mixed_precision": BF16}),
+        "size_based+bf16": (
+            functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+            {"mixed_precision": BF16},
+        ),
+    }
+
+
+def _structure(model: torch.nn.Module, cls: Any) -> list[tuple[str, str, Any]]:
+    return [
+        (n, m.sharding_strategy.name, m.mixed_precision.param_dtype)
+        for n, m in model.named_modules()
+        if isinstance(m, cls)
+    ]
+
+
+def _policy_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, (policy, kwargs) in _policies().items():
+        for e, cls in ENGINES.items():
+            model = wrap(e, auto_wrap_policy=policy, **kwargs)
+            losses, _ = train(model, 2)
+            out[f"{label}/{e}"] = (_structure(model, cls), losses, full_state(model))
+    for e in ENGINES:  # what a callable policy is asked, in order
+        log: list[tuple[str, bool, int]] = []
+
+        def recording(
+            module: torch.nn.Module,
+            recurse: bool,
+            nonwrapped_numel: int,
+            log: list[tuple[str, bool, int]] = log,
+        ) -> bool:
+            log.append((type(module).__name__, recurse, nonwrapped_numel))
+            return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, 100)
+
+        wrap(e, auto_wrap_policy=recording, mixed_precision=BF16)
+        out[f"asked/{e}"] = log
+    bn_policy = ModuleWrapPolicy({torch.nn.Linear})
+    for e, cls in ENGINES.items():  # BatchNorm: its own unit in full precision
+        torch.manual_seed(0)
+        model = wrap(e, model=BNNet(), auto_wrap_policy=bn_policy, mixed_precision=BF16)
+        losses, _ = train(model, 2)
+        out[f"BatchNorm+bf16/{e}"] = (_structure(model, cls), losses, full_state(model))
+    for e, cls in ENGINES.items():  # enable_wrap / wrap
+        torch.manual_seed(0)
+        with enable_wrap(wrapper_cls=cls, device_id=CPU, use_orig_params=True):
+            inner = torch.nn.Sequential(
+                torch.nn.Embedding(VOCAB, DIM),
+                wrap_module(Block()),
+                wrap_module(Block()),
+                torch.nn.Linear(DIM, VOCAB),
+            )
+        model = cls(inner, device_id=CPU, use_orig_params=True)
+        losses, _ = train(model, 2)
+        out[f"enable_wrap/{e}"] = (_structure(model, cls), losses, full_state(model))
+    return out
+
+
+def test_auto_wrap_policies_match_fsdp1() -> None:
+    """torch's wrap policies (ModuleWrapPolicy, transformer_/size_based_/lambda_auto_wrap_policy,
+    always_wrap_policy, CustomPolicy with per-module arguments) and enable_wrap / wrap build
+    the same wrappers (names, strategies, mixed precision) as torch's FSDP1 and train alike;
+    under mixed precision BatchNorm becomes a unit of its own in full precision. A callable
+    policy is asked the same questions (module, recurse, numel left) in the same order."""
+    out = run_distributed(_policy_cases, 2)[0]
+    assert out["asked/torch"] == out["asked/fullshard"]
+    assert ("Block", False, 177) in out["asked/torch"]
+    labels = {k.rsplit("/", 1)[0] for k in out if not k.startswith("asked/")}
+    assert len(labels) == len(_policies()) + 2
+    for label in sorted(labels):
+        (st_t, l_t, sd_t), (st_o, l_o, sd_o) = out[f"{label}/torch"], out[f"{label}/fullshard"]
+        assert st_t == st_o, label
+        assert len(st_o) > 1, label  # something was wrapped below the root
+        assert l_t == pytest.approx(l_o, rel=1e-5), label
+        assert max_diff(sd_t, sd_o) <= 1e-5, label
+    prefix = "_fsdp_wrapped_module."
+    bn = {n.removeprefix(prefix): dtype for n, _, dtype in out["BatchNorm+bf16/fullshard"][0]}
+    assert bn["bn"] is None and bn["a"] == torch.bfloat16
+    custom = {n.removeprefix(prefix): s for n, s, _ in out["CustomPolicy/fullshard"][0]}
+    assert custom["embed"] == "SHARD_GRAD_OP" and custom["blocks.0"] == "FULL_SHARD"

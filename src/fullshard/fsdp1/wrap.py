@@ -85,9 +85,10 @@ def _recursive_targets(
         if not (policy(module=module, recurse=True, nonwrapped_numel=total) or classes):
             return 0
         wrapped = sum(visit(c, False) for c in module.children() if c not in ignored_modules)
+        if is_root:  # not asked: the caller wraps the root
+            return wrapped
         wrap = policy(module=module, recurse=False, nonwrapped_numel=total - wrapped)
-        wrap = wrap or bool(classes and isinstance(module, classes))
-        if not is_root and wrap:
+        if wrap or (classes and isinstance(module, classes)):
             out.append(module)
             return total
         return wrapped
