@@ -44,6 +44,7 @@ from fsdp1_cases import (
     ENGINES,
     VOCAB,
     Block,
+    Net,
     full_grads,
     full_state,
     local_shard,
@@ -621,3 +622,69 @@ def test_auto_wrap_policies_match_fsdp1() -> None:
     assert bn["bn"] is None and bn["a"] == torch.bfloat16
     custom = {n.removeprefix(prefix): s for n, s, _ in out["CustomPolicy/fullshard"][0]}
     assert custom["embed"] == "SHARD_GRAD_OP" and custom["blocks.0"] == "FULL_SHARD"
+
+
+# ------------------------------------------------------------------ init, ignored states
+class MetaNet(Net):
+    """``Net`` whose root initialises its own buffer, as FSDP1's meta-device init asks."""
+
+    def reset_parameters(self) -> None:
+        self.scale.fill_(1.5)
+
+
+def _fill(module: torch.nn.Module) -> None:
+    """A ``param_init_fn``: materialise ``module``'s own tensors on the CPU, deterministically."""
+    module.to_empty(device=CPU, recurse=False)
+    with torch.no_grad():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        for i, t in enumerate(own):
+            t.copy_(torch.linspace(-1, 1, t.numel()).view(t.shape) * (i + 1))
+
+
+def _init_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for e in ENGINES:
+        with torch.device("meta"):
+            net = Net()
+        out[f"param_init_fn/{e}"] = full_state(wrap(e, model=net, param_init_fn=_fill))
+        with torch.device("meta"):
+            meta = MetaNet()
+        torch.manual_seed(3)
+        out[f"reset_parameters/{e}"] = full_state(wrap(e, model=meta))
+        for how, kwargs in (
+            ("ignored_modules", {"ignored_modules": ["head"]}),
+            ("ignored_states", {"ignored_states": ["head.weight", "head.bias"]}),
+        ):
+            net = make_net()
+            for key in list(kwargs):  # names -> the model's objects
+                kwargs[key] = [
+                    net.get_submodule(n) if key == "ignored_modules" else net.get_parameter(n)
+                    for n in kwargs[key]
+                ]
+            model = wrap(e, model=net, **kwargs)
+            out[f"{how}/types/{e}"] = type(model.module.head.weight).__name__
+            out[f"{how}/{e}"] = (train(model, 2)[0], full_state(model))
+    # sync_module_states: every rank starts from its own weights, all end with rank 0's
+    # (torch's FSDP1 refuses CPU tensors here, so the reference is rank 0's model)
+    synced = wrap("fullshard", model=make_net(seed=dist.get_rank()), sync_module_states=True)
+    out["sync_module_states"] = max_diff(full_state(synced), make_net(seed=0).state_dict())
+    with pytest.raises(ValueError, match="requires them to be on GPU"):
+        wrap("torch", model=make_net(seed=dist.get_rank()), sync_module_states=True)
+    return out
+
+
+def test_meta_init_ignored_states_and_sync_module_states() -> None:
+    """Meta-device models materialised by ``param_init_fn`` or by ``reset_parameters()`` hold
+    what torch's FSDP1 gives them; ignored modules / parameters stay plain, unsharded and
+    unsynchronised in both (each rank's own); ``sync_module_states`` starts every rank from
+    rank 0's weights (on the CPU too, which torch's FSDP1 refuses)."""
+    for rank, out in enumerate(run_distributed(_init_cases, 2)):
+        for how in ("param_init_fn", "reset_parameters"):
+            assert max_diff(out[f"{how}/torch"], out[f"{how}/fullshard"]) == 0.0, how
+        assert out["param_init_fn/fullshard"]["head.bias"][-1].item() == 2.0
+        for how in ("ignored_modules", "ignored_states"):
+            (l_t, sd_t), (l_o, sd_o) = out[f"{how}/torch"], out[f"{how}/fullshard"]
+            assert l_t == pytest.approx(l_o, rel=1e-5), how
+            assert max_diff(sd_t, sd_o) <= 1e-5, (how, rank)
+            assert out[f"{how}/types/fullshard"] == "Parameter"
+        assert out["sync_module_states"] == 0.0
