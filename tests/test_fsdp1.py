@@ -16,6 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as tfsdp
+from torch.distributed.algorithms._comm_hooks.default_hooks import (
+    DefaultState,
+    reduce_scatter_hook,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffload,
@@ -23,6 +27,7 @@ from torch.distributed.fsdp import (
     FullStateDictConfig,
     MixedPrecision,
     OptimStateKeyType,
+    ShardedStateDictConfig,
     ShardingStrategy,
     StateDictType,
 )
@@ -45,14 +50,17 @@ from fsdp1_cases import (
     VOCAB,
     Block,
     Net,
+    batch,
     full_grads,
     full_state,
     local_shard,
+    loss_of,
     make_net,
     max_diff,
     train,
     wrap,
 )
+from fullshard import count_collectives
 from fullshard.fsdp1 import FullyShardedDataParallel as OurFSDP
 from fullshard.testing import run_distributed
 
@@ -688,3 +696,121 @@ def test_meta_init_ignored_states_and_sync_module_states() -> None:
             assert max_diff(sd_t, sd_o) <= 1e-5, (how, rank)
             assert out[f"{how}/types/fullshard"] == "Parameter"
         assert out["sync_module_states"] == 0.0
+
+
+# ----------------------------------------------------------------- the wrapper's own API
+def _counting_hook(calls: list[int]) -> Any:
+    def hook(state: DefaultState, grad: torch.Tensor, output: torch.Tensor) -> None:
+        calls.append(grad.numel())
+        reduce_scatter_hook(state, grad, output)
+
+    return hook
+
+
+def _api_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for e, cls in ENGINES.items():
+        net = make_net()
+        model = wrap(e, model=net)
+        child = model.module.blocks[0]
+        out[f"identity/{e}"] = (
+            isinstance(model, tfsdp.FullyShardedDataParallel),
+            model.module is net,
+            model.embed is net.embed,  # attributes come from the wrapped module
+            len(cls.fsdp_modules(model)),
+            cls.fsdp_modules(model, root_only=True) == [model],
+        )
+        train(model, 1)
+        out[f"roots/{e}"] = (model.check_is_root(), child.check_is_root(), model._is_root)
+        for what, refusal in _refusals(e, model, child).items():
+            out[f"refused/{what}/{e}"] = refusal
+        cls.set_state_dict_type(child, StateDictType.SHARDED_STATE_DICT)
+        with pytest.raises(AssertionError, match="same state dict settings"):
+            cls.get_state_dict_type(model)
+        # apply(): fn sees full parameters, and what it writes stays
+        fresh = wrap(e)
+        fresh.apply(_fill_linear)
+        out[f"apply/{e}"] = full_state(fresh)
+        # a communication hook: FSDP1's reduce_scatter_hook, counted
+        calls: list[int] = []
+        hooked = wrap(e)
+        hooked.register_comm_hook(DefaultState(dist.group.WORLD), _counting_hook(calls))
+        with pytest.raises(AssertionError, match="already registered"):
+            hooked.register_comm_hook(DefaultState(dist.group.WORLD), _counting_hook(calls))
+        losses, _ = train(hooked, 2)
+        out[f"comm_hook/{e}"] = (len(calls), losses, full_state(hooked))
+    # no_sync: no gradient reduction inside, the reduction after it
+    model = wrap("fullshard")
+    x, y = batch(0)
+    with count_collectives() as inside, model.no_sync():
+        loss_of(model, x, y).backward()
+    with count_collectives() as after:
+        loss_of(model, x, y).backward()
+    out["no_sync reductions"] = (inside.calls("reduce_scatter"), after.calls("reduce_scatter"))
+    return out
+
+
+def _refusals(e: str, model: Any, child: Any) -> dict[str, Any]:
+    """What each misuse raises under engine ``e``: (type name, first line), or None."""
+    cls = ENGINES[e]
+    refusals = {
+        "no_sync on a child": lambda: child.no_sync().__enter__(),
+        "clip on a child": lambda: child.clip_grad_norm_(1.0),
+        "comm hook on a child": lambda: child.register_comm_hook(None, reduce_scatter_hook),
+        "wrong config type": lambda: cls.set_state_dict_type(
+            model, StateDictType.FULL_STATE_DICT, ShardedStateDictConfig()
+        ),
+        "manual hybrid without groups": lambda: cls(
+            torch.nn.Linear(2, 2), sharding_strategy=S.HYBRID_SHARD, device_id=CPU
+        ),
+        "groups and mesh": lambda: cls(
+            torch.nn.Linear(2, 2),
+            process_group=dist.group.WORLD,
+            device_mesh=init_device_mesh("cpu", (2,)),
+            device_id=CPU,
+        ),
+        "ignored_modules and ignored_states": lambda: cls(
+            torch.nn.Linear(2, 2), ignored_modules=[], ignored_states=[], device_id=CPU
+        ),
+        "auto wrap over a wrapper": lambda: wrap(e, model=torch.nn.Sequential(model)),
+    }
+    out: dict[str, Any] = {}
+    for what, call in refusals.items():
+        try:
+            call()
+            out[what] = None
+        except Exception as err:
+            out[what] = (type(err).__name__, str(err).split("\n")[0])
+    return out
+
+
+def _fill_linear(m: torch.nn.Module) -> None:
+    if isinstance(m, torch.nn.Linear):
+        assert m.weight.dim() == 2 and not hasattr(m.weight, "to_local")
+        with torch.no_grad():
+            m.weight.fill_(0.25)
+
+
+def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
+    """The wrapper's identity (torch's FSDP1 class, .module, attributes of the wrapped module,
+    fsdp_modules, roots); FSDP1's refusals with its exception types and first lines; apply()
+    on full parameters; a comm hook (torch's reduce_scatter_hook, counted: once per unit and
+    backward) trains as under torch's FSDP1; no_sync() reduces nothing until it ends."""
+    out = run_distributed(_api_cases, 2)[0]
+    assert out["identity/torch"] == out["identity/fullshard"] == (True, True, True, 3, True)
+    assert out["roots/torch"] == out["roots/fullshard"] == (True, False, True)
+    refused = sorted({k.split("/")[1] for k in out if k.startswith("refused/")})
+    assert len(refused) == 8
+    for what in refused:
+        theirs, ours = out[f"refused/{what}/torch"], out[f"refused/{what}/fullshard"]
+        assert theirs is not None and ours is not None, what
+        assert ours[0] == theirs[0], (what, ours, theirs)
+        assert ours[1][:40] == theirs[1][:40], (what, ours, theirs)
+    assert max_diff(out["apply/torch"], out["apply/fullshard"]) == 0.0
+    assert out["apply/fullshard"]["head.weight"].eq(0.25).all()
+    (n_t, l_t, sd_t), (n_o, l_o, sd_o) = out["comm_hook/torch"], out["comm_hook/fullshard"]
+    assert n_t == n_o == 2 * 3
+    assert l_t == pytest.approx(l_o, rel=1e-6)
+    assert max_diff(sd_t, sd_o) <= 1e-6
+    inside, after = out["no_sync reductions"]
+    assert inside == 0 and after == 3
