@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullStateDictConfig, MixedPrecision, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -23,6 +23,7 @@ from fullshard.fsdp1 import FullyShardedDataParallel as OurFSDP
 
 VOCAB, DIM, HIDDEN, SEQ, GLOBAL_BATCH = 13, 10, 7, 5, 8
 ENGINES: dict[str, Any] = {"torch": TorchFSDP, "fullshard": OurFSDP}
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
 CPU = torch.device("cpu")
 
 

@@ -88,6 +88,12 @@ def mp_policy_of(mp: MixedPrecision | None) -> MixedPrecisionPolicy:
             f"mixed_precision must be a torch.distributed.fsdp.MixedPrecision, got "
             f"{type(mp).__name__}"
         )
+    if mp.keep_low_precision_grads:
+        raise NotImplementedError(
+            "MixedPrecision(keep_low_precision_grads=True) is not supported by fullshard: "
+            "gradients are kept in the parameters' dtype (which torch's optimizers require); "
+            "use a lower-precision model (module.to(dtype)) to keep low-precision gradients"
+        )
     reduce = mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype
     return MixedPrecisionPolicy(
         param_dtype=mp.param_dtype, reduce_dtype=reduce, cast_forward_inputs=False
