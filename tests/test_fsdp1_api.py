@@ -7,6 +7,8 @@ state dicts are in ``tests/test_fsdp1.py``. Both engines run in one spawn (gloo,
 from __future__ import annotations
 
 import functools
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -35,6 +37,7 @@ from torch.distributed.fsdp.wrap import (
 )
 from torch.distributed.fsdp.wrap import wrap as wrap_module
 
+import fullshard
 from fsdp1_cases import (
     BF16,
     CPU,
@@ -52,6 +55,7 @@ from fsdp1_cases import (
     wrap,
 )
 from fullshard import count_collectives
+from fullshard.fsdp1 import FullyShardedDataParallel as OurFSDP
 from fullshard.testing import run_distributed
 
 S = ShardingStrategy
@@ -430,3 +434,28 @@ def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     assert max_diff(sd_t, sd_o) <= 1e-6
     inside, after = out["no_sync reductions"]
     assert inside == 0 and after == 3
+
+
+# ---------------------------------------------------------------------- patch_torch_fsdp
+def test_patch_torch_fsdp_rebinds_fsdp1s_class() -> None:
+    """``patch_torch_fsdp()`` rebinds torch's ``FullyShardedDataParallel`` (and a framework's
+    ``FSDP`` alias) to fullshard's wrapper; torch's FSDP1 modules keep theirs; undo restores."""
+    torch_cls = tfsdp.FullyShardedDataParallel
+    defining = sys.modules["torch.distributed.fsdp.fully_sharded_data_parallel"]
+    fake = types.ModuleType("fake_fsdp1_framework")  # a framework that imported torch's class
+    fake.FSDP = fake.FullyShardedDataParallel = fake.Other = torch_cls  # type: ignore[attr-defined]
+    sys.modules["fake_fsdp1_framework"] = fake
+    try:
+        handle = fullshard.patch_torch_fsdp()
+        try:
+            assert tfsdp.FullyShardedDataParallel is OurFSDP
+            assert fake.FSDP is fake.FullyShardedDataParallel is OurFSDP
+            assert fake.Other is torch_cls  # not one of the names
+            assert defining.FullyShardedDataParallel is torch_cls
+            assert "fake_fsdp1_framework.FSDP" in handle.modules
+        finally:
+            handle.undo()
+        assert tfsdp.FullyShardedDataParallel is torch_cls
+        assert fake.FSDP is fake.FullyShardedDataParallel is torch_cls
+    finally:
+        del sys.modules["fake_fsdp1_framework"]

@@ -5,9 +5,9 @@ Read from the source with ``ast`` (every ``import`` statement, including ones in
 and under ``TYPE_CHECKING``), so neither a lazy import nor a type-only one can hide an edge. A
 module's layer is its first package below ``fullshard`` (``fullshard.bench.worker`` ->
 ``bench``, ``fullshard.engine.group`` -> ``engine``); the top-level modules outside the named
-layers (``fullshard``, ``api``, ``module``, ``patch``, ``clip``, ``testing``) are ``api``,
-except that the package's ``__init__`` (the facade of public names) may also name
-``fullshard.fsdp1``'s classes.
+layers (``fullshard``, ``api``, ``module``, ``clip``, ``testing``) are ``api``; ``patch``
+(which rebinds torch's FSDP1 class too) sits above ``fsdp1``, and the package's ``__init__``
+(the facade of public names) may name ``fullshard.fsdp1``'s classes and the patch.
 Within the engine no module imports another that imports it back, directly or not.
 """
 
@@ -37,8 +37,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     # `fullshard plan` (fullshard.memory.cli) speaks train's language (presets, config.toml):
     # a front-end at the tools' level; the planner itself (fullshard.memory) stays below train.
     "plan": {"engine", "api", "memory", "models", "peers", "train"},
+    # patch_torch_fsdp(): rebinds torch's fully_shard and FSDP1 class to fullshard's
+    "patch": {"engine", "api", "fsdp1"},
     # the package's __init__: the public names, FSDP1's wrapper among them (imported lazily)
-    "facade": {"engine", "api", "fsdp1"},
+    "facade": {"engine", "api", "fsdp1", "patch"},
     "cli": set(),  # dispatches to each tool by name (importlib), importing none of them
     "__main__": {"cli"},
 }
@@ -98,6 +100,8 @@ def _layer(module: str) -> str:
     ``fullshard.api`` / ``fullshard`` -> ``api``."""
     if module == "fullshard.memory.cli":
         return "plan"
+    if module == "fullshard.patch":
+        return "patch"
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in MAY_IMPORT:
         return parts[1]
@@ -201,6 +205,7 @@ def test_the_fsdp2_peer_lives_in_the_benchmarks_package() -> None:
         ("fullshard.models", "models"),
         ("fullshard.checkpoint", "checkpoint"),
         ("fullshard.fsdp1.wrapper", "fsdp1"),
+        ("fullshard.patch", "patch"),
         ("fullshard.memory.planner", "memory"),
         ("fullshard.memory.cli", "plan"),
     ],
