@@ -40,6 +40,7 @@ from fsdp1_cases import (
     train,
     wrap,
 )
+from fullshard.api import _all_states
 from fullshard.fsdp1 import FullyShardedDataParallel as OurFSDP
 from fullshard.testing import run_distributed
 
@@ -211,13 +212,25 @@ def _variant_cases() -> dict[str, Any]:
     for label, kwargs, how in variants:
         runs = {}
         for engine in ENGINES:
+            mine = dict(kwargs)
             if engine == "torch":  # torch's CPUOffload pins memory: it needs an accelerator
-                kwargs = {k: v for k, v in kwargs.items() if k != "cpu_offload"}
-            model = wrap(engine, **kwargs)
+                mine.pop("cpu_offload", None)
+            model = wrap(engine, **mine)
             norms: list[torch.Tensor] = []
             losses, _ = train(model, 3, norms=norms, **how)
-            runs[engine] = (losses, norms, full_state(model))
+            offloaded = any(st.group.offloaded for st in _all_states(model))
+            runs[engine] = (losses, norms, full_state(model), offloaded)
         out[label] = runs
+    # a weight tied across the root's modules (embedding and head)
+    runs = {}
+    for engine in ENGINES:
+        net = make_net()
+        net.head.weight = net.embed.weight
+        model = wrap(engine, model=net)
+        losses, _ = train(model, 3)
+        state = full_state(model)
+        runs[engine] = (losses, [], dict(sorted(state.items())), False)
+    out["tied embedding/head"] = runs
     return out
 
 
@@ -225,9 +238,12 @@ def test_no_sync_cpu_offload_and_clipping_match_fsdp1() -> None:
     """Gradient accumulation under ``no_sync()`` (each strategy, and bf16), ``CPUOffload``
     and ``clip_grad_norm_`` (the norms it returns, their dtype, and the weights after).
     torch's FSDP1 cannot offload on a machine without an accelerator (it pins host memory),
-    so fullshard's offloaded runs are compared with torch's FSDP1 without offload."""
+    so fullshard's offloaded runs are compared with torch's FSDP1 without offload. And a
+    weight tied across two modules of one wrapper (torch's FSDP1 lists it after the wrapper's
+    other parameters, fullshard in module order: compared by name)."""
     for label, runs in run_distributed(_variant_cases, 2)[0].items():
-        (l_t, n_t, sd_t), (l_o, n_o, sd_o) = runs["torch"], runs["fullshard"]
+        (l_t, n_t, sd_t, _), (l_o, n_o, sd_o, offloaded) = runs["torch"], runs["fullshard"]
+        assert offloaded == label.startswith("cpu_offload"), label
         tol = 2e-2 if "bf16" in label else 1e-5
         for a, b in zip(l_t, l_o):
             assert abs(a - b) <= tol * abs(a), (label, l_t, l_o)

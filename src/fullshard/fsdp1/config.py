@@ -41,6 +41,7 @@ from ..engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPol
 
 __all__ = [
     "HYBRID",
+    "device_of",
     "mesh_cache",
     "mp_policy_of",
     "offload_policy_of",
@@ -106,11 +107,19 @@ def offload_policy_of(cpu_offload: CPUOffload | None) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=True)
 
 
+def device_of(device_id: int | torch.device | None) -> torch.device | None:
+    """FSDP1's ``device_id``: a device, or an index of the accelerator torch runs on."""
+    if device_id is None or isinstance(device_id, torch.device):
+        return device_id
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type if accelerator else "cuda", device_id)
+
+
 def resolve_device_type(device_id: int | torch.device | None, module: torch.nn.Module) -> str:
     """The mesh's device type: ``device_id``'s, else that of the module's parameters when they
     are on an accelerator, else the default group's (``cuda`` where it runs NCCL)."""
-    if device_id is not None:
-        device = device_id if isinstance(device_id, torch.device) else torch.device(device_id)
+    device = device_of(device_id)
+    if device is not None:
         return device.type
     for p in module.parameters():
         if p.device.type not in ("cpu", "meta"):

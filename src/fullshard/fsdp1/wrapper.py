@@ -153,9 +153,10 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
                 )
         info = mesh_info(mesh)
         own = local_modules(module, ignored_mods)
-        materialize(own, param_init_fn, info.device)
+        device = config.device_of(device_id) or info.device
+        materialize(own, param_init_fn, device)
         if device_id is not None:
-            move_to_device(own, info.device)
+            move_to_device(own, device)
         if sync_module_states:
             sync_states(own, mesh)
         self._fsdp_wrapped_module = module
