@@ -265,6 +265,7 @@ def _state_dict_cases() -> dict[str, Any]:
     """Every state-dict type under both engines after the same training, and loads across
     engines, types and strategies."""
     out: dict[str, Any] = {}
+    raw: dict[str, Any] = {}  # each engine's SHARDED_STATE_DICT as it is
     models = {e: _trained(e, mixed_precision=BF16)[0] for e in ENGINES}
     for e, model in models.items():
         cls = ENGINES[e]
@@ -272,8 +273,9 @@ def _state_dict_cases() -> dict[str, Any]:
         with cls.state_dict_type(model, StateDictType.FULL_STATE_DICT, rank0):
             out[f"full_rank0/{e}"] = dict(model.state_dict())
         with cls.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            out[f"sharded/{e}"] = {k: local_shard(v).clone() for k, v in model.state_dict().items()}
-            out[f"sharded_types/{e}"] = {k: type(v).__name__ for k, v in model.state_dict().items()}
+            raw[e] = model.state_dict()
+            out[f"sharded/{e}"] = {k: local_shard(v).clone() for k, v in raw[e].items()}
+            out[f"sharded_types/{e}"] = {k: type(v).__name__ for k, v in raw[e].items()}
         out[f"full/{e}"] = full_state(model)
     ours = models["fullshard"]
     with OurFSDP.state_dict_type(
@@ -292,6 +294,12 @@ def _state_dict_cases() -> dict[str, Any]:
         "ours<-torch(full)": ("fullshard", {}, StateDictType.FULL_STATE_DICT, full_t),
         "torch<-ours(full)": ("torch", {}, StateDictType.FULL_STATE_DICT, full_o),
         "ours<-ours(sharded)": ("fullshard", {}, StateDictType.SHARDED_STATE_DICT, sharded),
+        "ours<-torch(sharded: ShardedTensor)": (
+            "fullshard",
+            {},
+            StateDictType.SHARDED_STATE_DICT,
+            raw["torch"],
+        ),
         "NO_SHARD<-FULL_SHARD(sharded)": (
             "fullshard",
             {"sharding_strategy": S.NO_SHARD},
@@ -317,7 +325,8 @@ def test_state_dicts_match_fsdp1_and_load_across_types() -> None:
     """FULL_STATE_DICT (keys, values, buffer dtypes; rank0_only: nothing elsewhere, as FSDP1;
     offload_to_cpu), SHARDED_STATE_DICT (keys; each rank's piece equals FSDP1's ShardedTensor
     shard; DTensor values), LOCAL_STATE_DICT (original names, local shards); loading full
-    state dicts across the two engines both ways, sharded (also into NO_SHARD) and local."""
+    state dicts across the two engines both ways, sharded (also into NO_SHARD, and torch's
+    ShardedTensor form) and local."""
     per_rank = run_distributed(_state_dict_cases, 2)
     for rank, out in enumerate(per_rank):
         full_t, full_o = out["full/torch"], out["full/fullshard"]
@@ -339,12 +348,13 @@ def test_state_dicts_match_fsdp1_and_load_across_types() -> None:
         for label in (k for k in out if k.startswith("load/")):
             missing, unexpected, loaded = out[label]
             assert not missing and not unexpected, (label, missing, unexpected)
-            source = full_t if "torch(full)" in label else full_o
+            source = full_t if "<-torch" in label else full_o
             assert max_diff(loaded, source) == 0.0, label
 
 
 def _optim_cases() -> dict[str, Any]:
     out: dict[str, Any] = {}
+    raw: dict[str, Any] = {}  # each engine's sharded optimizer state dict as it is
     for e in ENGINES:  # the order of the entries with use_orig_params=True (FSDP1: by name)
         model, opt, _ = _trained(e, steps=1)
         osd = ENGINES[e].optim_state_dict(model, opt)
@@ -368,6 +378,7 @@ def _optim_cases() -> dict[str, Any]:
             out[f"full_rank0/{e}"] = _map_tensors(cls.optim_state_dict(model, opt), torch.clone)
         with cls.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             osd = cls.optim_state_dict(model, opt)
+            raw[e] = _map_tensors(osd, lambda t: t if hasattr(t, "local_shards") else t.clone())
             out[f"sharded/{e}"] = _map_tensors(osd, lambda t: local_shard(t).clone())
         out[f"legacy_full/{e}"] = _map_tensors(cls.full_optim_state_dict(model, opt), torch.clone)
     # the uninterrupted run's third step, and the same step after reloading
@@ -379,6 +390,7 @@ def _optim_cases() -> dict[str, Any]:
         "optim_state_dict_to_load(torch)": out["full/torch"],
         "shard_full_optim_state_dict": out["full/fullshard"],
         "scatter_full_optim_state_dict": out["legacy_full/fullshard"],
+        "optim_state_dict_to_load(torch, ShardedTensor)": raw["torch"],
     }
     for how, osd in sources.items():
         fresh = wrap("fullshard", model=make_net(seed=7), use_orig_params=False)
@@ -386,7 +398,9 @@ def _optim_cases() -> dict[str, Any]:
             fresh.load_state_dict(model_sd)
         new_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
         if how.startswith("optim_state_dict_to_load"):
-            OurFSDP.optim_state_dict_to_load(fresh, new_opt, osd, load_directly=True)
+            kind = StateDictType.SHARDED_STATE_DICT if "Sharded" in how else None
+            with OurFSDP.state_dict_type(fresh, kind or StateDictType.FULL_STATE_DICT):
+                OurFSDP.optim_state_dict_to_load(fresh, new_opt, osd, load_directly=True)
         elif how == "shard_full_optim_state_dict":
             new_opt.load_state_dict(OurFSDP.shard_full_optim_state_dict(osd, fresh, optim=new_opt))
         else:
@@ -427,7 +441,8 @@ def test_optimizer_state_dicts_match_fsdp1_and_resume() -> None:
     """optim_state_dict under FULL (keys, param_groups, values, on the CPU; rank0_only: {}
     elsewhere) and SHARDED (each rank's piece equals FSDP1's), full_optim_state_dict and
     rekey_optim_state_dict as torch's FSDP1 returns them; and training resumes exactly from
-    optim_state_dict_to_load (of fullshard's and of torch's full state),
+    optim_state_dict_to_load (of fullshard's and of torch's full state, and of torch's
+    sharded state: ShardedTensor),
     shard_full_optim_state_dict and scatter_full_optim_state_dict."""
     for rank, out in enumerate(run_distributed(_optim_cases, 2)):
         assert out["order/torch"] == out["order/fullshard"]

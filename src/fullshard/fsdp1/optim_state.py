@@ -13,7 +13,8 @@ name (the clean FQN, as in the model's state dict) and choose the tensors:
 The way back (``optim_state_dict_to_load``, ``shard_full_optim_state_dict``,
 ``flatten_sharded_optim_state_dict``, ``scatter_full_optim_state_dict``) keys by position
 again and cuts every tensor shaped like its parameter to this rank's rows (a ``DTensor`` is
-taken as it is), so any of the three forms loads into any world size or strategy. Entries
+taken as it is; torch's FSDP1's ``ShardedTensor`` is gathered first), so any of the three
+forms, or torch's FSDP1's, loads into any world size or strategy. Entries
 that are not shaped like the parameter (Adam's ``step``) pass unchanged.
 
 Positions follow the optimizer's parameter order (``optim``), or ``model.parameters()``
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.shards import wrap_like
-from .state_dict import clean_fqn, shard_like
+from .state_dict import clean_fqn, full_of_sharded_tensor, is_sharded_tensor, shard_like
 
 __all__ = ["export_optim_state", "import_optim_state", "param_order", "rekey", "scatter_from_rank0"]
 
@@ -146,6 +147,8 @@ def _index(index_of: dict[str, int], name: str) -> int:
 
 
 def _import(value: Any, param: nn.Parameter, local: bool) -> Any:
+    if is_sharded_tensor(value):  # torch's FSDP1's sharded form
+        value = full_of_sharded_tensor(value)
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
     if not isinstance(param, DTensor) or value.dim() == 0:

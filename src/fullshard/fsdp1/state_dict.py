@@ -22,8 +22,9 @@ names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1):
   for one of the wrapper's sharded parameters that is not a ``DTensor`` is cut to this rank's
   rows: a full tensor (any type but ``LOCAL``) or the local shard (``LOCAL``); a ``DTensor``
   laid out like the parameter is copied as it is, one laid out otherwise (another strategy's
-  or mesh's) is gathered and cut. So a full state dict, a sharded one from any strategy, or
-  FSDP1's ``SHARDED_STATE_DICT`` with ``_use_dtensor`` loads whatever type is set.
+  or mesh's) or torch's FSDP1's ``ShardedTensor`` is gathered and cut. So a full state dict, a
+  sharded one from any strategy, or torch's FSDP1's ``SHARDED_STATE_DICT`` loads whatever
+  type is set.
 
 The hooks run bottom-up on save (each wrapper renames its own prefix after its children did)
 and top-down on load, as FSDP1's do.
@@ -56,8 +57,10 @@ from ..checkpoint.shards import local_box, slices, wrap_like
 __all__ = [
     "FSDP_PREFIX",
     "clean_fqn",
+    "full_of_sharded_tensor",
     "get_state_dict_type",
     "install_state_dict_hooks",
+    "is_sharded_tensor",
     "set_state_dict_type",
     "shard_like",
 ]
@@ -87,6 +90,28 @@ def shard_like(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
             f"shape {list(target.shape)}"
         )
     return wrap_like(target, full.detach()[slices(local_box(target, "state dict"))].clone())
+
+
+def is_sharded_tensor(value: object) -> bool:
+    """torch's ``ShardedTensor`` (FSDP1's sharded state dicts), recognised without importing it."""
+    return isinstance(value, torch.Tensor) and callable(getattr(value, "local_shards", None))
+
+
+def full_of_sharded_tensor(value: Any) -> torch.Tensor:
+    """The whole tensor of a ``ShardedTensor``: every rank's pieces gathered (collective; each
+    rank holds the whole tensor for a moment, so a load from FSDP1's sharded state dicts costs
+    one full tensor of memory at a time)."""
+    pieces = [
+        (tuple(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()
+    ]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    props = value.metadata().tensor_properties
+    full = torch.empty(tuple(value.size()), dtype=props.dtype)
+    for rank_pieces in everyone:
+        for offsets, piece in rank_pieces:
+            full[slices((offsets, tuple(piece.shape)))] = piece
+    return full
 
 
 # ------------------------------------------------------------------------------ settings
@@ -240,7 +265,9 @@ def _before_load(
         value = state_dict.get(name)
         if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor)):
             continue
-        if not isinstance(value, DTensor):
+        if is_sharded_tensor(value):  # FSDP1's SHARDED_STATE_DICT
+            state_dict[name] = shard_like(p, full_of_sharded_tensor(value))
+        elif not isinstance(value, DTensor):
             state_dict[name] = wrap_like(p, value) if local else shard_like(p, value)
         elif value.device_mesh != p.device_mesh or value.placements != p.placements:
             state_dict[name] = shard_like(p, value.full_tensor())  # another layout: reshard
