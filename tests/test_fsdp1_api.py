@@ -459,3 +459,44 @@ def test_patch_torch_fsdp_rebinds_fsdp1s_class() -> None:
         assert fake.FSDP is fake.FullyShardedDataParallel is torch_cls
     finally:
         del sys.modules["fake_fsdp1_framework"]
+
+
+def _dcp_cases() -> dict[str, Any]:
+    """torch DCP's get/set_state_dict on fullshard's wrapper under patch_torch_fsdp() (DCP then
+    calls fullshard's static methods), full and sharded, resuming training."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    out: dict[str, Any] = {}
+    handle = fullshard.patch_torch_fsdp()
+    try:
+        for full in (True, False):
+            options = StateDictOptions(full_state_dict=full)
+            model = wrap("fullshard")
+            _, opt = train(model, 2)
+            msd, osd = get_state_dict(model, opt, options=options)
+            out[f"keys/{full}"] = (list(msd), sorted(osd["state"]))
+            fresh = wrap("fullshard", model=make_net(seed=5))
+            new_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+            set_state_dict(
+                fresh, new_opt, model_state_dict=msd, optim_state_dict=osd, options=options
+            )
+            out[f"resumed/{full}"] = train(fresh, 1, optim=new_opt, first_step=2)[0]
+            out[f"continued/{full}"] = train(model, 1, optim=opt, first_step=2)[0]
+    finally:
+        handle.undo()
+    return out
+
+
+def test_torch_dcp_state_dict_under_the_patch() -> None:
+    """With ``patch_torch_fsdp()``, torch DCP's ``get_state_dict`` / ``set_state_dict`` (full and
+    sharded) work on fullshard's FSDP1 wrappers: FSDP1's keys, and training resumes exactly.
+    (Without the patch DCP runs torch's FSDP1 code on them, which fullshard cannot support.)"""
+    for out in run_distributed(_dcp_cases, 2):
+        for full in (True, False):
+            keys, state = out[f"keys/{full}"]
+            assert keys[:2] == ["scale", "embed.weight"] and "head.weight" in state, full
+            assert out[f"resumed/{full}"] == pytest.approx(out[f"continued/{full}"], rel=1e-6)
