@@ -71,6 +71,25 @@ class TrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
 
 
+# the constructor's arguments an auto-wrapped child gets from its root (FSDP1's root_kwargs)
+_ROOT_KWARGS = frozenset(
+    (
+        "process_group",
+        "sharding_strategy",
+        "cpu_offload",
+        "backward_prefetch",
+        "mixed_precision",
+        "param_init_fn",
+        "device_id",
+        "sync_module_states",
+        "forward_prefetch",
+        "limit_all_gathers",
+        "use_orig_params",
+        "device_mesh",
+    )
+)
+
+
 def _is_unit(module: nn.Module) -> bool:
     """A module that already is a fullshard unit (a wrapper, or ``fully_shard``'s)."""
     return STATE_ATTR in module.__dict__
@@ -84,7 +103,7 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
     """FSDP1's ``FullyShardedDataParallel`` (same arguments, torch's types) on fullshard's
-    engine; see the module docstring and ``docs/fsdp1.md``-style notes in the README."""
+    engine; see the module docstring, and the README's FSDP1 section for the differences."""
 
     def __init__(
         self,
@@ -124,30 +143,18 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
                 strategy, process_group, device_mesh, device_type, auto_wrap_policy is not None
             )
             if auto_wrap_policy is not None:
+                # FSDP1 hands the root's arguments down (its intra/inter-node groups for a
+                # hybrid default; here, the mesh made of them)
                 hybrid_default = strategy in config.HYBRID and process_group is device_mesh is None
-                root_kwargs = {
-                    "process_group": process_group,
-                    "sharding_strategy": sharding_strategy,
-                    "cpu_offload": cpu_offload,
-                    "auto_wrap_policy": None,
-                    "backward_prefetch": backward_prefetch,
-                    "mixed_precision": mixed_precision,
-                    "param_init_fn": param_init_fn,
-                    "device_id": device_id,
-                    "sync_module_states": sync_module_states,
-                    "forward_prefetch": forward_prefetch,
-                    "limit_all_gathers": limit_all_gathers,
-                    "use_orig_params": use_orig_params,
-                    "ignored_states": ignored_params,
-                    # FSDP1 hands its intra/inter-node groups down; here, the mesh made of them
-                    "device_mesh": mesh if hybrid_default else device_mesh,
-                }
+                kwargs = {k: v for k, v in locals().items() if k in _ROOT_KWARGS}
+                kwargs.update(auto_wrap_policy=None, ignored_states=ignored_params)
+                kwargs.update(device_mesh=mesh if hybrid_default else device_mesh)
                 auto_wrap(
                     module,
                     auto_wrap_policy,
                     ignored_mods,
                     ignored_params,
-                    root_kwargs,
+                    kwargs,
                     FullyShardedDataParallel,
                     _is_unit,
                 )
@@ -170,27 +177,32 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             offload_policy=config.offload_policy_of(cpu_offload),
             ignored_params=ignored_params,
         )
-        # FSDP1's attributes, which frameworks read
+        self._set_fsdp1_attributes(info, strategy, locals())
+        self._ignored_modules = ignored_mods
+        self._ignored_params = ignored_params
+        S.install_state_dict_hooks(self)
+
+    def _set_fsdp1_attributes(
+        self, info: Any, strategy: ShardingStrategy, args: dict[str, Any]
+    ) -> None:
+        """FSDP1's attributes, which frameworks read (``args``: the constructor's)."""
         self.process_group = info.shard_group
         self.rank = dist.get_rank(info.shard_group)
         self.world_size = info.shard_size
         self.sharding_strategy = strategy
-        self.mixed_precision = mixed_precision or MixedPrecision()
-        self.cpu_offload = cpu_offload or CPUOffload()
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.limit_all_gathers = limit_all_gathers
-        self._use_orig_params = use_orig_params
-        self._device_mesh = device_mesh
+        self.mixed_precision = args["mixed_precision"] or MixedPrecision()
+        self.cpu_offload = args["cpu_offload"] or CPUOffload()
+        self.backward_prefetch = args["backward_prefetch"]
+        self.forward_prefetch = args["forward_prefetch"]
+        self.limit_all_gathers = args["limit_all_gathers"]
+        self._use_orig_params = args["use_orig_params"]
+        self._device_mesh = args["device_mesh"]
         self.compute_device = info.device
-        self._ignored_modules = ignored_mods
-        self._ignored_params = ignored_params
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = S.FullStateDictConfig()
         self._optim_state_dict_config: OptimStateDictConfig = S.FullOptimStateDictConfig()
         self._comm_hook: Callable[..., None] | None = None
         self._comm_hook_state: object = None
-        S.install_state_dict_hooks(self)
 
     # ------------------------------------------------------------------- identity
     @property
