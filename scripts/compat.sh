@@ -34,7 +34,8 @@ SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/test_fsdp2_misuse.
         tests/test_engine_knobs.py tests/test_features.py tests/test_checkpoint.py
         tests/test_composition.py tests/test_install.py tests/test_conformance.py
         tests/test_frozen.py tests/test_backend_plan.py tests/test_stream_order.py
-        tests/test_labels.py tests/test_states.py tests/test_chunked_loss.py)
+        tests/test_labels.py tests/test_states.py tests/test_chunked_loss.py tests/test_fsdp1.py
+        tests/test_fsdp1_api.py)
 MODE=pytest
 ARGS=(tests)
 if [ $# -gt 0 ]; then

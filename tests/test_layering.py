@@ -1,10 +1,13 @@
-"""Dependencies point one way: engine <- api <- checkpoint / memory / optim <- train / bench.
+"""Dependencies point one way: engine <- api <- checkpoint / memory / optim / fsdp1 <- train /
+bench.
 
 Read from the source with ``ast`` (every ``import`` statement, including ones inside functions
 and under ``TYPE_CHECKING``), so neither a lazy import nor a type-only one can hide an edge. A
 module's layer is its first package below ``fullshard`` (``fullshard.bench.worker`` ->
 ``bench``, ``fullshard.engine.group`` -> ``engine``); the top-level modules outside the named
-layers (``fullshard``, ``api``, ``module``, ``patch``, ``clip``, ``testing``) are ``api``.
+layers (``fullshard``, ``api``, ``module``, ``clip``, ``testing``) are ``api``; ``patch``
+(which rebinds torch's FSDP1 class too) sits above ``fsdp1``, and the package's ``__init__``
+(the facade of public names) may name ``fullshard.fsdp1``'s classes and the patch.
 Within the engine no module imports another that imports it back, directly or not.
 """
 
@@ -25,12 +28,19 @@ MAY_IMPORT: dict[str, set[str]] = {
     "peers": {"engine", "api"},  # loads the benchmarks' fullshard_peers package by name
     "optim": {"engine", "api", "optim"},
     "checkpoint": {"engine", "api", "checkpoint", "optim"},
+    # FSDP1's API (FullyShardedDataParallel) on the engine: state dicts through checkpoint's
+    # shard geometry
+    "fsdp1": {"engine", "api", "checkpoint", "fsdp1"},
     "memory": {"engine", "api", "memory", "models", "peers"},
     "train": {"engine", "api", "train", "checkpoint", "memory", "models", "optim", "peers"},
     "bench": {"engine", "api", "bench", "checkpoint", "memory", "models", "optim", "peers"},
     # `fullshard plan` (fullshard.memory.cli) speaks train's language (presets, config.toml):
     # a front-end at the tools' level; the planner itself (fullshard.memory) stays below train.
     "plan": {"engine", "api", "memory", "models", "peers", "train"},
+    # patch_torch_fsdp(): rebinds torch's fully_shard and FSDP1 class to fullshard's
+    "patch": {"engine", "api", "fsdp1"},
+    # the package's __init__: the public names, FSDP1's wrapper among them (imported lazily)
+    "facade": {"engine", "api", "fsdp1", "patch"},
     "cli": set(),  # dispatches to each tool by name (importlib), importing none of them
     "__main__": {"cli"},
 }
@@ -54,6 +64,35 @@ FSDP2_PUBLIC_TYPES = {
         )
     ),
 }
+#: FSDP1's public types (the wrapper class for identity, its enums, dataclasses and state-dict
+#: configs) and its wrap policies, which ``fullshard.fsdp1`` takes as user input; none of
+#: torch's FSDP1 machinery (``FlatParameter``, ``_runtime_utils``, ``_state_dict_utils``,
+#: ``_optim_utils``, ...) is imported.
+FSDP1_PUBLIC_TYPES = {
+    *(
+        f"torch.distributed.fsdp.{name}"
+        for name in (
+            "FullyShardedDataParallel",
+            "ShardingStrategy",
+            "MixedPrecision",
+            "CPUOffload",
+            "BackwardPrefetch",
+            "StateDictType",
+            "StateDictConfig",
+            "FullStateDictConfig",
+            "ShardedStateDictConfig",
+            "LocalStateDictConfig",
+            "OptimStateDictConfig",
+            "FullOptimStateDictConfig",
+            "ShardedOptimStateDictConfig",
+            "LocalOptimStateDictConfig",
+            "StateDictSettings",
+            "OptimStateKeyType",
+        )
+    ),
+    "torch.distributed.fsdp.wrap",
+    "torch.distributed.fsdp.wrap._Policy",
+}
 
 
 def _layer(module: str) -> str:
@@ -61,6 +100,8 @@ def _layer(module: str) -> str:
     ``fullshard.api`` / ``fullshard`` -> ``api``."""
     if module == "fullshard.memory.cli":
         return "plan"
+    if module == "fullshard.patch":
+        return "patch"
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in MAY_IMPORT:
         return parts[1]
@@ -110,7 +151,7 @@ def test_imports_point_one_way() -> None:
     bad = []
     for path in _sources():
         name, _ = _module_name(path)
-        layer = _layer(name)
+        layer = "facade" if name == "fullshard" else _layer(name)
         for line, target in _imports(path):
             if target.split(".")[0] != "fullshard":
                 continue
@@ -128,10 +169,12 @@ def test_the_library_never_imports_torch_fsdp2s_engine() -> None:
         f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
         for path in _sources()
         for line, target in _imports(path)
-        if target.startswith("torch.distributed.fsdp") and target not in FSDP2_PUBLIC_TYPES
+        if target.startswith("torch.distributed.fsdp")
+        and target not in FSDP2_PUBLIC_TYPES | FSDP1_PUBLIC_TYPES
     ]
     assert not bad, (
-        "the fullshard package may import FSDP2's public types only; torch's engine is the "
+        "the fullshard package may import FSDP2's and FSDP1's public types only; torch's "
+        "engines are the "
         "benchmarks' peer (benchmarks/fullshard_peers):\n  " + "\n  ".join(bad)
     )
 
@@ -161,6 +204,8 @@ def test_the_fsdp2_peer_lives_in_the_benchmarks_package() -> None:
         ("fullshard.bench.worker", "bench"),
         ("fullshard.models", "models"),
         ("fullshard.checkpoint", "checkpoint"),
+        ("fullshard.fsdp1.wrapper", "fsdp1"),
+        ("fullshard.patch", "patch"),
         ("fullshard.memory.planner", "memory"),
         ("fullshard.memory.cli", "plan"),
     ],

@@ -4,6 +4,10 @@ The public API mirrors PyTorch FSDP2, so existing code switches with one import:
 
     from fullshard import fully_shard, FSDPModule, MixedPrecisionPolicy
 
+and FSDP1's wrapper runs on the same engine (``fullshard.fsdp1``)::
+
+    from fullshard import FullyShardedDataParallel as FSDP
+
 The names below are imported on first use (PEP 562), so ``import fullshard`` (and the
 ``fullshard`` command's ``--help``) does not import torch until something needs it.
 """
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
     from .clip import clip_grad_norm_
     from .engine.collectives import CollectiveStats, count_collectives
     from .engine.policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    from .fsdp1 import FSDP, FullyShardedDataParallel
     from .module import FullyShardError, GradientReductionHandle
     from .patch import TorchFSDPPatch, patch_torch_fsdp
 
@@ -46,14 +51,18 @@ _LAZY = {
     "CPUOffloadPolicy": "engine.policies",
     "MixedPrecisionPolicy": "engine.policies",
     "OffloadPolicy": "engine.policies",
+    "FSDP": "fsdp1",
+    "FullyShardedDataParallel": "fsdp1",
 }
 
 __all__ = [
+    "FSDP",
     "CPUOffloadPolicy",
     "CollectiveStats",
     "CommPolicy",
     "FSDPModule",
     "FullyShardError",
+    "FullyShardedDataParallel",
     "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

@@ -53,6 +53,7 @@ from .torch_state import fully_shard_state
 __all__ = [
     "FSDPModule",
     "UnshardHandle",
+    "build_unit",
     "fully_shard",
     "register_fsdp_forward_method",
     "share_comm_ctx",
@@ -88,7 +89,6 @@ def _fsdp_class(cls: type) -> type:
 
 def _install_hooks(module: nn.Module, state: FSDPState) -> None:
     module.__dict__[STATE_ATTR] = state
-    module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True)
 
@@ -152,6 +152,39 @@ def fully_shard(
     for m in modules:
         _check_module(m)
     info = _unit_mesh(mesh, dp_mesh_dims)
+    build_unit(
+        modules,
+        info,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        comm_policy=comm_policy,
+    )
+    for m in modules:  # FSDP2's identity
+        m.__class__ = _fsdp_class(type(m))
+        # torch's composable registry names the APIs applied to a module; replicate() and
+        # torch's other composable APIs skip (or refuse) modules marked "fully_shard"
+        m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
+    return module
+
+
+def build_unit(
+    modules: tuple[nn.Module, ...],
+    info: MeshInfo,
+    *,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | Any | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - never mutated
+    ignored_params: set[nn.Parameter] | None = None,
+    comm_policy: CommPolicy | None = None,
+) -> FSDPState:
+    """Make ``modules`` one unit over ``info``'s mesh: claim and shard their parameters, install
+    the unit's hooks and link the units below to it. What ``fully_shard`` does, less FSDP2's
+    identity (the ``FSDP<Name>`` class and torch's composable registry), which ``fully_shard``
+    adds and other front ends (``fullshard.fsdp1``) do not."""
     check_reshard_after_forward(reshard_after_forward, info)
     ignored = {id(p) for p in (ignored_params or ())}
     _check_policies_and_devices(modules, mp_policy, offload_policy, ignored)
@@ -160,7 +193,7 @@ def fully_shard(
     )
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     _install(modules, state)
-    return module
+    return state
 
 
 def _check_policies_and_devices(
@@ -250,9 +283,9 @@ def _build_group(
 
 
 def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
-    """Make ``modules`` the unit of ``state``: buffers on the compute device, the hooks, the
-    ``FSDP<Name>`` classes and the marks torch's composable APIs and frameworks read; the
-    units already applied below learn which unit encloses them."""
+    """Make ``modules`` the unit of ``state``: buffers on the compute device, the hooks and
+    the marks frameworks read; the units already applied below learn which unit encloses
+    them."""
     compute_device = state.group.device
     for m in modules:
         for sub in m.modules():
@@ -260,9 +293,6 @@ def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
                 if buf is not None and buf.device.type not in ("meta", compute_device.type):
                     sub._buffers[key] = buf.to(compute_device)
         _install_hooks(m, state)
-        # torch's composable registry names the APIs applied to a module; replicate() and
-        # torch's other composable APIs skip (or refuse) modules marked "fully_shard"
-        m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
         for sub in m.modules():  # what FSDP2 marks, and what transformers / dynamo look for
             sub._is_fsdp_managed_module = True  # type: ignore[assignment]
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]

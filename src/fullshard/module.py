@@ -46,6 +46,7 @@ __all__ = [
     "FullyShardError",
     "GradientReductionHandle",
     "UnshardHandle",
+    "adopt_applied_params",
 ]
 
 
@@ -61,6 +62,15 @@ def _state(module: nn.Module) -> FSDPState:
 def _all_states(module: nn.Module) -> list[FSDPState]:
     """Every unit state under ``module`` (used by tests and tools)."""
     return states_under([module])
+
+
+def adopt_applied_params(state: FSDPState) -> None:
+    """After ``module._apply`` (``to_empty``, ``to``, a dtype cast): the unit adopts the
+    parameters now registered, and rebuilds its layout for their dtype after lazy init."""
+    for sp in state.group.params:
+        sp.sync_from_modules()
+    if state.ctx is not None:
+        state.group.init_layout(state.on_grad_accumulated)
 
 
 def _check_fsdp_modules(modules: list[Any], what: str) -> None:
@@ -173,11 +183,7 @@ class FSDPModule(_TorchFSDPModule):
         # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
         # super(_TorchFSDPModule, ...): skip torch's FSDPModule._apply (torch's engine state).
         ret = super(_TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
-        state = _state(cast(nn.Module, self))
-        for sp in state.group.params:
-            sp.sync_from_modules()
-        if state.ctx is not None:  # after lazy init: a cast needs a layout in the new dtype
-            state.group.init_layout(state.on_grad_accumulated)
+        adopt_applied_params(_state(cast(nn.Module, self)))
         return ret
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:

@@ -15,6 +15,12 @@ and module, ``torch.distributed._composable.fsdp[.fully_shard]``, ``torch.distri
 Code that reaches into FSDP2's state through ``fully_shard.state(module)`` (torch's pipelining
 stage up to torch 2.14) then gets fullshard's answer: fullshard's ``fully_shard`` carries
 ``state`` itself (``fullshard.torch_state``).
+
+FSDP1's class is rebound too: ``FullyShardedDataParallel`` (and the ``FSDP`` alias frameworks
+import it as) becomes ``fullshard.fsdp1.FullyShardedDataParallel`` in ``torch.distributed.fsdp``
+and in every module outside torch's FSDP1 package that holds torch's class under either name,
+so code that constructs ``FSDP(model, ...)`` gets fullshard's wrapper (itself an instance of
+torch's class). torch's FSDP1 modules keep their own class, which nothing constructs any more.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from . import api
+from .fsdp1 import FullyShardedDataParallel
 
 __all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
 
@@ -42,13 +49,23 @@ _REEXPORTERS = (
     "torch.distributed.pipelining.stage",
 )
 _NAMES = ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx")
+_FSDP1_NAMES = ("FullyShardedDataParallel", "FSDP")
+# torch's FSDP1 package (its private modules keep torch's class; the package itself is patched)
+_FSDP1_PACKAGE = "torch.distributed.fsdp."
 
 
 _TORCH_FUNCS: dict[str, Any] = {}  # torch's original functions, read once before any patch
 
 
-def _originals() -> dict[int, tuple[str, Any]]:
-    """id(torch's function) -> (name, fullshard's replacement)."""
+@dataclass(frozen=True)
+class _Replacement:
+    names: tuple[str, ...]  # the attribute names to rebind
+    ours: Any
+    skip_prefix: str | None = None  # modules not to touch
+
+
+def _originals() -> dict[int, _Replacement]:
+    """id(torch's object) -> what replaces it, under which names."""
     ours = {
         "fully_shard": api.fully_shard,
         "register_fsdp_forward_method": api.register_fsdp_forward_method,
@@ -58,7 +75,12 @@ def _originals() -> dict[int, tuple[str, Any]]:
         torch_api = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
         # share_comm_ctx arrived in torch 2.10: patch only what the installed torch has
         _TORCH_FUNCS.update({n: getattr(torch_api, n) for n in _NAMES if hasattr(torch_api, n)})
-    return {id(f): (n, ours[n]) for n, f in _TORCH_FUNCS.items()}
+        fsdp1 = importlib.import_module("torch.distributed.fsdp.fully_sharded_data_parallel")
+        _TORCH_FUNCS["FullyShardedDataParallel"] = fsdp1.FullyShardedDataParallel
+    out = {id(f): _Replacement((n,), ours[n]) for n, f in _TORCH_FUNCS.items() if n in ours}
+    torch_class = _TORCH_FUNCS["FullyShardedDataParallel"]
+    out[id(torch_class)] = _Replacement(_FSDP1_NAMES, FullyShardedDataParallel, _FSDP1_PACKAGE)
+    return out
 
 
 @dataclass
@@ -90,7 +112,8 @@ _LOCK = threading.Lock()
 
 
 def patch_torch_fsdp() -> TorchFSDPPatch:
-    """Replace torch's ``fully_shard`` (and its two helper functions) with fullshard's.
+    """Replace torch's ``fully_shard`` (and its two helper functions) and FSDP1's
+    ``FullyShardedDataParallel`` class with fullshard's.
 
     Idempotent: a second call re-scans for modules imported since (patching those too) and
     returns the same handle. ``handle.undo()`` restores torch's functions.
@@ -110,8 +133,11 @@ def patch_torch_fsdp() -> TorchFSDPPatch:
                 continue
             for attr, value in items:
                 hit = originals.get(id(value))
-                if hit is not None and attr == hit[0]:
-                    setattr(mod, attr, hit[1])
-                    handle.replaced.append((mod, attr, value))
+                if hit is None or attr not in hit.names:
+                    continue
+                if hit.skip_prefix and mod.__name__.startswith(hit.skip_prefix):
+                    continue
+                setattr(mod, attr, hit.ours)
+                handle.replaced.append((mod, attr, value))
         _ACTIVE = handle
         return handle
