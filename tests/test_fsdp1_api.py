@@ -439,9 +439,13 @@ def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
 # ---------------------------------------------------------------------- patch_torch_fsdp
 def test_patch_torch_fsdp_rebinds_fsdp1s_class() -> None:
     """``patch_torch_fsdp()`` rebinds torch's ``FullyShardedDataParallel`` (and a framework's
-    ``FSDP`` alias) to fullshard's wrapper; torch's FSDP1 modules keep theirs; undo restores."""
+    ``FSDP`` alias) to fullshard's wrapper, in its defining module too (Accelerate imports it
+    from there); torch's private FSDP1 modules keep theirs; undo restores."""
     torch_cls = tfsdp.FullyShardedDataParallel
     defining = sys.modules["torch.distributed.fsdp.fully_sharded_data_parallel"]
+    private = types.ModuleType("torch.distributed.fsdp._fake_private")  # torch's FSDP1 package
+    private.FullyShardedDataParallel = torch_cls  # type: ignore[attr-defined]
+    sys.modules[private.__name__] = private
     fake = types.ModuleType("fake_fsdp1_framework")  # a framework that imported torch's class
     fake.FSDP = fake.FullyShardedDataParallel = fake.Other = torch_cls  # type: ignore[attr-defined]
     sys.modules["fake_fsdp1_framework"] = fake
@@ -451,14 +455,15 @@ def test_patch_torch_fsdp_rebinds_fsdp1s_class() -> None:
             assert tfsdp.FullyShardedDataParallel is OurFSDP
             assert fake.FSDP is fake.FullyShardedDataParallel is OurFSDP
             assert fake.Other is torch_cls  # not one of the names
-            assert defining.FullyShardedDataParallel is torch_cls
+            assert defining.FullyShardedDataParallel is OurFSDP
+            assert private.FullyShardedDataParallel is torch_cls
             assert "fake_fsdp1_framework.FSDP" in handle.modules
         finally:
             handle.undo()
-        assert tfsdp.FullyShardedDataParallel is torch_cls
+        assert tfsdp.FullyShardedDataParallel is defining.FullyShardedDataParallel is torch_cls
         assert fake.FSDP is fake.FullyShardedDataParallel is torch_cls
     finally:
-        del sys.modules["fake_fsdp1_framework"]
+        del sys.modules["fake_fsdp1_framework"], sys.modules[private.__name__]
 
 
 def _dcp_cases() -> dict[str, Any]:
