@@ -354,6 +354,12 @@ def _api_cases() -> dict[str, Any]:
             hooked.register_comm_hook(DefaultState(dist.group.WORLD), _counting_hook(calls))
         losses, _ = train(hooked, 2)
         out[f"comm_hook/{e}"] = (len(calls), losses, full_state(hooked))
+        # an optimizer built on the unwrapped model (FSDP1 allows it with use_orig_params)
+        net = make_net()
+        early = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+        model = wrap(e, model=net)
+        losses, _ = train(model, 3, optim=early)
+        out[f"optim_before/{e}"] = (losses, full_state(model))
     # a deliberate difference: gradients stay in the parameters' dtype
     keep = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
     with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
@@ -415,7 +421,10 @@ def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     fsdp_modules, roots); FSDP1's refusals with its exception types and first lines; apply()
     on full parameters; a comm hook (torch's reduce_scatter_hook, counted: once per unit and
     backward) trains as under torch's FSDP1; no_sync() reduces nothing until it ends;
-    keep_low_precision_grads is refused (fullshard keeps gradients in the parameters' dtype)."""
+    keep_low_precision_grads is refused (fullshard keeps gradients in the parameters' dtype);
+    an optimizer built on the unwrapped model trains the wrapped one, as under torch's FSDP1
+    with ``use_orig_params=True`` (fullshard's parameters are new objects: swapped in at its
+    first step)."""
     out = run_distributed(_api_cases, 2)[0]
     assert out["identity/torch"] == out["identity/fullshard"] == (True, True, True, 3, True)
     assert out["roots/torch"] == out["roots/fullshard"] == (True, False, True)
@@ -434,6 +443,9 @@ def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     assert max_diff(sd_t, sd_o) <= 1e-6
     inside, after = out["no_sync reductions"]
     assert inside == 0 and after == 3
+    (l_t, sd_t), (l_o, sd_o) = out["optim_before/torch"], out["optim_before/fullshard"]
+    assert l_t == pytest.approx(l_o, rel=1e-6)
+    assert max_diff(sd_t, sd_o) <= 1e-6
 
 
 # ---------------------------------------------------------------------- patch_torch_fsdp

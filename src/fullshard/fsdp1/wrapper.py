@@ -57,6 +57,7 @@ from .comm_hook import install_comm_hook
 from .materialize import local_modules, materialize, move_to_device
 from .materialize import sync_module_states as sync_states
 from .optim_api import OptimStateDictMethods
+from .orig_params import named_originals, record_replaced
 from .summon import check_summon_args, summon
 from .wrap import auto_wrap
 
@@ -125,6 +126,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         device_mesh: DeviceMesh | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not torch's FSDP1 __init__: see the Note
+        originals = named_originals(module)  # what an optimizer built before may hold
         self._summoning = False  # inside summon_full_params
         self._buffers_cast = False  # buffer_dtype applied (the root's first forward)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -177,6 +179,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             offload_policy=config.offload_policy_of(cpu_offload),
             ignored_params=ignored_params,
         )
+        record_replaced(originals, self)
         self._set_fsdp1_attributes(info, strategy, locals())
         self._ignored_modules = ignored_mods
         self._ignored_params = ignored_params
