@@ -337,6 +337,8 @@ def _api_cases() -> dict[str, Any]:
         )
         train(model, 1)
         out[f"roots/{e}"] = (model.check_is_root(), child.check_is_root(), model._is_root)
+        flat = child._flat_param  # what Accelerate reads of it under mixed precision
+        out[f"flat_param/{e}"] = (flat.dtype, flat.device.type, flat.requires_grad)
         for what, refusal in _refusals(e, model, child).items():
             out[f"refused/{what}/{e}"] = refusal
         cls.set_state_dict_type(child, StateDictType.SHARDED_STATE_DICT)
@@ -360,6 +362,9 @@ def _api_cases() -> dict[str, Any]:
         model = wrap(e, model=net)
         losses, _ = train(model, 3, optim=early)
         out[f"optim_before/{e}"] = (losses, full_state(model))
+    # no FlatParameter to cast in place (Accelerate's upcast of a low-precision model)
+    with pytest.raises(NotImplementedError, match="Load the model in float32"):
+        wrap("fullshard")._flat_param.data  # noqa: B018
     # a deliberate difference: gradients stay in the parameters' dtype
     keep = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
     with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
@@ -418,7 +423,7 @@ def _fill_linear(m: torch.nn.Module) -> None:
 
 def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     """The wrapper's identity (torch's FSDP1 class, .module, attributes of the wrapped module,
-    fsdp_modules, roots); FSDP1's refusals with its exception types and first lines; apply()
+    fsdp_modules, roots, what frameworks read of ``_flat_param``); FSDP1's refusals with its exception types and first lines; apply()
     on full parameters; a comm hook (torch's reduce_scatter_hook, counted: once per unit and
     backward) trains as under torch's FSDP1; no_sync() reduces nothing until it ends;
     keep_low_precision_grads is refused (fullshard keeps gradients in the parameters' dtype);
@@ -428,6 +433,7 @@ def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     out = run_distributed(_api_cases, 2)[0]
     assert out["identity/torch"] == out["identity/fullshard"] == (True, True, True, 3, True)
     assert out["roots/torch"] == out["roots/fullshard"] == (True, False, True)
+    assert out["flat_param/torch"] == out["flat_param/fullshard"] == (torch.float32, "cpu", True)
     refused = sorted({k.split("/")[1] for k in out if k.startswith("refused/")})
     assert len(refused) == 8
     for what in refused:

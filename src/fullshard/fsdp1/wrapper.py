@@ -54,6 +54,7 @@ from ..module import FullyShardError, UnshardHandle, adopt_applied_params
 from . import config
 from . import state_dict as S
 from .comm_hook import install_comm_hook
+from .flat_param import FlatParamSummary
 from .materialize import local_modules, materialize, move_to_device
 from .materialize import sync_module_states as sync_states
 from .optim_api import OptimStateDictMethods
@@ -223,9 +224,13 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         return bool(self._unit.group.params)
 
     @property
-    def _flat_param(self) -> None:  # type: ignore[override]
-        """Always ``None``: fullshard keeps the original parameters (no ``FlatParameter``)."""
-        return None
+    def _flat_param(self) -> FlatParamSummary | None:  # type: ignore[override]
+        """No ``FlatParameter`` (fullshard keeps the original parameters): ``None`` without
+        parameters, else what frameworks read of one (``fullshard.fsdp1.flat_param``)."""
+        own = self._unit.group.params
+        if not own:
+            return None
+        return FlatParamSummary([sp.sharded_param for sp in own], [sp.fqn for sp in own])
 
     @property
     def _is_root(self) -> bool | None:  # type: ignore[override]
