@@ -24,6 +24,7 @@ MODE_FIELDS = {
     "repeat_medians_s",
     "tokens_per_s",
     "ratio_vs_fsdp2",
+    "ratio_vs_fsdp1",
     "ratio_vs_ddp",
     "peak_rss_mib_per_rank",
     "peak_rss_mib_max",

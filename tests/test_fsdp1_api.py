@@ -337,6 +337,8 @@ def _api_cases() -> dict[str, Any]:
         )
         train(model, 1)
         out[f"roots/{e}"] = (model.check_is_root(), child.check_is_root(), model._is_root)
+        flat = child._flat_param  # what Accelerate reads of it under mixed precision
+        out[f"flat_param/{e}"] = (flat.dtype, flat.device.type, flat.requires_grad)
         for what, refusal in _refusals(e, model, child).items():
             out[f"refused/{what}/{e}"] = refusal
         cls.set_state_dict_type(child, StateDictType.SHARDED_STATE_DICT)
@@ -354,6 +356,15 @@ def _api_cases() -> dict[str, Any]:
             hooked.register_comm_hook(DefaultState(dist.group.WORLD), _counting_hook(calls))
         losses, _ = train(hooked, 2)
         out[f"comm_hook/{e}"] = (len(calls), losses, full_state(hooked))
+        # an optimizer built on the unwrapped model (FSDP1 allows it with use_orig_params)
+        net = make_net()
+        early = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+        model = wrap(e, model=net)
+        losses, _ = train(model, 3, optim=early)
+        out[f"optim_before/{e}"] = (losses, full_state(model))
+    # no FlatParameter to cast in place (Accelerate's upcast of a low-precision model)
+    with pytest.raises(NotImplementedError, match="Load the model in float32"):
+        wrap("fullshard")._flat_param.data  # noqa: B018
     # a deliberate difference: gradients stay in the parameters' dtype
     keep = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
     with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
@@ -412,13 +423,17 @@ def _fill_linear(m: torch.nn.Module) -> None:
 
 def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     """The wrapper's identity (torch's FSDP1 class, .module, attributes of the wrapped module,
-    fsdp_modules, roots); FSDP1's refusals with its exception types and first lines; apply()
+    fsdp_modules, roots, what frameworks read of ``_flat_param``); FSDP1's refusals with its exception types and first lines; apply()
     on full parameters; a comm hook (torch's reduce_scatter_hook, counted: once per unit and
     backward) trains as under torch's FSDP1; no_sync() reduces nothing until it ends;
-    keep_low_precision_grads is refused (fullshard keeps gradients in the parameters' dtype)."""
+    keep_low_precision_grads is refused (fullshard keeps gradients in the parameters' dtype);
+    an optimizer built on the unwrapped model trains the wrapped one, as under torch's FSDP1
+    with ``use_orig_params=True`` (fullshard's parameters are new objects: swapped in at its
+    first step)."""
     out = run_distributed(_api_cases, 2)[0]
     assert out["identity/torch"] == out["identity/fullshard"] == (True, True, True, 3, True)
     assert out["roots/torch"] == out["roots/fullshard"] == (True, False, True)
+    assert out["flat_param/torch"] == out["flat_param/fullshard"] == (torch.float32, "cpu", True)
     refused = sorted({k.split("/")[1] for k in out if k.startswith("refused/")})
     assert len(refused) == 8
     for what in refused:
@@ -434,14 +449,21 @@ def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     assert max_diff(sd_t, sd_o) <= 1e-6
     inside, after = out["no_sync reductions"]
     assert inside == 0 and after == 3
+    (l_t, sd_t), (l_o, sd_o) = out["optim_before/torch"], out["optim_before/fullshard"]
+    assert l_t == pytest.approx(l_o, rel=1e-6)
+    assert max_diff(sd_t, sd_o) <= 1e-6
 
 
 # ---------------------------------------------------------------------- patch_torch_fsdp
 def test_patch_torch_fsdp_rebinds_fsdp1s_class() -> None:
     """``patch_torch_fsdp()`` rebinds torch's ``FullyShardedDataParallel`` (and a framework's
-    ``FSDP`` alias) to fullshard's wrapper; torch's FSDP1 modules keep theirs; undo restores."""
+    ``FSDP`` alias) to fullshard's wrapper, in its defining module too (Accelerate imports it
+    from there); torch's private FSDP1 modules keep theirs; undo restores."""
     torch_cls = tfsdp.FullyShardedDataParallel
     defining = sys.modules["torch.distributed.fsdp.fully_sharded_data_parallel"]
+    private = types.ModuleType("torch.distributed.fsdp._fake_private")  # torch's FSDP1 package
+    private.FullyShardedDataParallel = torch_cls  # type: ignore[attr-defined]
+    sys.modules[private.__name__] = private
     fake = types.ModuleType("fake_fsdp1_framework")  # a framework that imported torch's class
     fake.FSDP = fake.FullyShardedDataParallel = fake.Other = torch_cls  # type: ignore[attr-defined]
     sys.modules["fake_fsdp1_framework"] = fake
@@ -451,14 +473,15 @@ def test_patch_torch_fsdp_rebinds_fsdp1s_class() -> None:
             assert tfsdp.FullyShardedDataParallel is OurFSDP
             assert fake.FSDP is fake.FullyShardedDataParallel is OurFSDP
             assert fake.Other is torch_cls  # not one of the names
-            assert defining.FullyShardedDataParallel is torch_cls
+            assert defining.FullyShardedDataParallel is OurFSDP
+            assert private.FullyShardedDataParallel is torch_cls
             assert "fake_fsdp1_framework.FSDP" in handle.modules
         finally:
             handle.undo()
-        assert tfsdp.FullyShardedDataParallel is torch_cls
+        assert tfsdp.FullyShardedDataParallel is defining.FullyShardedDataParallel is torch_cls
         assert fake.FSDP is fake.FullyShardedDataParallel is torch_cls
     finally:
-        del sys.modules["fake_fsdp1_framework"]
+        del sys.modules["fake_fsdp1_framework"], sys.modules[private.__name__]
 
 
 def _dcp_cases() -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Dependencies point one way: engine <- api <- checkpoint / memory / optim / fsdp1 <- train /
-bench.
+bench (which runs the FSDP1 wrapper as one of its modes).
 
 Read from the source with ``ast`` (every ``import`` statement, including ones inside functions
 and under ``TYPE_CHECKING``), so neither a lazy import nor a type-only one can hide an edge. A
@@ -33,7 +33,18 @@ MAY_IMPORT: dict[str, set[str]] = {
     "fsdp1": {"engine", "api", "checkpoint", "fsdp1"},
     "memory": {"engine", "api", "memory", "models", "peers"},
     "train": {"engine", "api", "train", "checkpoint", "memory", "models", "optim", "peers"},
-    "bench": {"engine", "api", "bench", "checkpoint", "memory", "models", "optim", "peers"},
+    # bench runs fullshard's FSDP1 wrapper too (its fsdp1-fullshard mode)
+    "bench": {
+        "engine",
+        "api",
+        "bench",
+        "checkpoint",
+        "fsdp1",
+        "memory",
+        "models",
+        "optim",
+        "peers",
+    },
     # `fullshard plan` (fullshard.memory.cli) speaks train's language (presets, config.toml):
     # a front-end at the tools' level; the planner itself (fullshard.memory) stays below train.
     "plan": {"engine", "api", "memory", "models", "peers", "train"},

@@ -17,10 +17,13 @@ stage up to torch 2.14) then gets fullshard's answer: fullshard's ``fully_shard`
 ``state`` itself (``fullshard.torch_state``).
 
 FSDP1's class is rebound too: ``FullyShardedDataParallel`` (and the ``FSDP`` alias frameworks
-import it as) becomes ``fullshard.fsdp1.FullyShardedDataParallel`` in ``torch.distributed.fsdp``
-and in every module outside torch's FSDP1 package that holds torch's class under either name,
-so code that constructs ``FSDP(model, ...)`` gets fullshard's wrapper (itself an instance of
-torch's class). torch's FSDP1 modules keep their own class, which nothing constructs any more.
+import it as) becomes ``fullshard.fsdp1.FullyShardedDataParallel`` in ``torch.distributed.fsdp``,
+in the module that defines it (``torch.distributed.fsdp.fully_sharded_data_parallel``, which
+Accelerate and Lightning import it from) and in every module outside torch's FSDP1 package that
+holds torch's class under either name, so code that constructs ``FSDP(model, ...)`` gets
+fullshard's wrapper (itself an instance of torch's class). torch's private FSDP1 modules keep
+their own class, which nothing constructs any more. (torch's class looks its static methods up
+in its defining module: while the patch is active, torch's own FSDP1 instances are not for use.)
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ _NAMES = ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx")
 _FSDP1_NAMES = ("FullyShardedDataParallel", "FSDP")
 # torch's FSDP1 package (its private modules keep torch's class; the package itself is patched)
 _FSDP1_PACKAGE = "torch.distributed.fsdp."
+# ... but for the module that defines the class, which frameworks import it from by path
+_FSDP1_DEFINING = "torch.distributed.fsdp.fully_sharded_data_parallel"
 
 
 _TORCH_FUNCS: dict[str, Any] = {}  # torch's original functions, read once before any patch
@@ -61,7 +66,13 @@ _TORCH_FUNCS: dict[str, Any] = {}  # torch's original functions, read once befor
 class _Replacement:
     names: tuple[str, ...]  # the attribute names to rebind
     ours: Any
-    skip_prefix: str | None = None  # modules not to touch
+    skip_prefix: str | None = None  # modules not to touch...
+    unless: str | None = None  # ...but this one
+
+    def skips(self, module: str) -> bool:
+        if self.skip_prefix is None or module == self.unless:
+            return False
+        return module.startswith(self.skip_prefix)
 
 
 def _originals() -> dict[int, _Replacement]:
@@ -75,11 +86,13 @@ def _originals() -> dict[int, _Replacement]:
         torch_api = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
         # share_comm_ctx arrived in torch 2.10: patch only what the installed torch has
         _TORCH_FUNCS.update({n: getattr(torch_api, n) for n in _NAMES if hasattr(torch_api, n)})
-        fsdp1 = importlib.import_module("torch.distributed.fsdp.fully_sharded_data_parallel")
+        fsdp1 = importlib.import_module(_FSDP1_DEFINING)
         _TORCH_FUNCS["FullyShardedDataParallel"] = fsdp1.FullyShardedDataParallel
     out = {id(f): _Replacement((n,), ours[n]) for n, f in _TORCH_FUNCS.items() if n in ours}
     torch_class = _TORCH_FUNCS["FullyShardedDataParallel"]
-    out[id(torch_class)] = _Replacement(_FSDP1_NAMES, FullyShardedDataParallel, _FSDP1_PACKAGE)
+    out[id(torch_class)] = _Replacement(
+        _FSDP1_NAMES, FullyShardedDataParallel, _FSDP1_PACKAGE, _FSDP1_DEFINING
+    )
     return out
 
 
@@ -135,7 +148,7 @@ def patch_torch_fsdp() -> TorchFSDPPatch:
                 hit = originals.get(id(value))
                 if hit is None or attr not in hit.names:
                     continue
-                if hit.skip_prefix and mod.__name__.startswith(hit.skip_prefix):
+                if hit.skips(mod.__name__):
                     continue
                 setattr(mod, attr, hit.ours)
                 handle.replaced.append((mod, attr, value))

@@ -7,6 +7,8 @@ FSDP engine or DeepSpeed itself (``tests/test_layering.py`` checks it), and load
 a tool asks for it.
 
 - :func:`load_fully_shard`: engines applied with a ``fully_shard`` call (fullshard, ``fsdp2``).
+- :func:`load_torch_fsdp1`: torch's FSDP1 wrapper class (``fsdp1``), beside fullshard's own
+  (``fullshard.fsdp1``).
 - :func:`load_peer`: whole training engines that own forward, backward and step (``deepspeed``:
   DeepSpeed ZeRO-3, from the optional ``peers`` extra); :func:`peer_missing` says, without
   importing it, whether one is installed and how to install it if not.
@@ -19,7 +21,14 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ENGINE_NAMES", "PEER_ENGINES", "load_fully_shard", "load_peer", "peer_missing"]
+__all__ = [
+    "ENGINE_NAMES",
+    "PEER_ENGINES",
+    "load_fully_shard",
+    "load_peer",
+    "load_torch_fsdp1",
+    "peer_missing",
+]
 
 #: Engine names :func:`load_fully_shard` accepts.
 ENGINE_NAMES: tuple[str, ...] = ("fullshard", "fsdp2")
@@ -49,6 +58,11 @@ def load_fully_shard(engine: str) -> Callable[..., Any]:
     if engine == "fsdp2":
         return _peers_package(engine).fsdp2_fully_shard()  # type: ignore[no-any-return]
     raise ValueError(f"unknown engine {engine!r}; choose from {list(ENGINE_NAMES)}")
+
+
+def load_torch_fsdp1() -> type:
+    """torch's ``FullyShardedDataParallel`` (FSDP1), the peer of fullshard's FSDP1 wrapper."""
+    return _peers_package("fsdp1").torch_fsdp1()  # type: ignore[no-any-return]
 
 
 def load_peer(engine: str) -> ModuleType:

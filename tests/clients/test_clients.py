@@ -12,6 +12,10 @@ pipelining, 3 ranks to load the DCP checkpoints saved on 2, 4 ranks for pipelini
   module sharded over its data-parallel sub-mesh; also checked against a single-process run.
 - torchtitan (``titan.py``, a spawn of its own, skipped where torchtitan is not installed):
   its llama3 model, FSDP application and chunked loss; no chunk gathers anything.
+- FSDP1 (``fsdp1_clients.py``, a 2-rank spawn of its own): Accelerate's plugin with
+  ``fsdp_version=1`` and transformers' Trainer with an FSDP1 ``fsdp_config``, under torch's
+  FSDP1 and under fullshard's ``FullyShardedDataParallel`` (Accelerate's CPU fallback
+  overridden the same way, and its device set to ``cpu``, which torch's FSDP1 needs).
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
-import clients  # tests/clients is on sys.path (pytest prepends a test file's folder)
+# tests/clients is on sys.path (pytest prepends a test file's folder)
+import fsdp1_clients
+
+import clients
 
 TOL = 1e-5
 ENV = {"TORCHELASTIC_RUN_ID": "fullshard-clients"}  # Fabric: adopt the process group
@@ -141,3 +148,43 @@ def test_torchtitan_llama3_chunked_loss(titan_runs: list[dict[Any, Any]]) -> Non
                     n = a["forward"].count(unit) + a["backward"].count(unit)
                     assert n <= b["forward"].count(unit) + b["backward"].count(unit), (ckpt, a, b)
                 assert "head" in a["forward"] and "head" in a["backward"], a
+
+
+@pytest.fixture(scope="module")
+def fsdp1_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = str(tmp_path_factory.mktemp("fsdp1_clients"))
+    return run_distributed(fsdp1_clients.two_ranks, 2, folder, timeout=600, env=ENV)
+
+
+def test_accelerate_fsdp1_plugin(fsdp1_runs: list[dict[str, Any]]) -> None:
+    """Accelerate's FSDP1 plugin (transformer auto-wrap, the optimizer prepared with the
+    model): fp32 and bf16 losses as torch's FSDP1's; save_state / load_state restore model and
+    optimizer, sharded (DCP) and full (fullshard only: Accelerate's full save offloads to the
+    CPU, which crashes torch's FSDP1 there)."""
+    for r in fsdp1_runs:
+        torch_run, ours = r["torch"]["accelerate"], r["fullshard"]["accelerate"]
+        assert close(ours["losses"] + ours["after"], torch_run["losses"] + torch_run["after"])
+        assert close(ours["bf16"], torch_run["bf16"]), (ours["bf16"], torch_run["bf16"])
+        assert set(ours["again"]) == {"SHARDED_STATE_DICT", "FULL_STATE_DICT"}
+        for kind, again in ours["again"].items():
+            assert close(again, ours["after"]), (kind, again, ours["after"])
+        assert close(torch_run["again"]["SHARDED_STATE_DICT"], torch_run["after"])
+
+
+def test_trainer_fsdp1(fsdp1_runs: list[dict[str, Any]]) -> None:
+    """transformers' Trainer, ``fsdp="full_shard auto_wrap"`` with an FSDP1 ``fsdp_config``: the
+    logged losses and clipped gradient norms are torch's FSDP1's, and so is a run resumed from
+    its step-2 checkpoint. (Its step 3 is the uninterrupted run's; step 4 is not, under either
+    engine: the fresh optimizer's state is not restored, since Accelerate loads FSDP1's sharded
+    optimizer state into a template made from the optimizer, which has no state before its
+    first step.)"""
+    for r in fsdp1_runs:
+        torch_run, ours = r["torch"]["trainer"], r["fullshard"]["trainer"]
+        assert len(ours["losses"]) == 4
+        assert close(ours["losses"], torch_run["losses"]), (ours, torch_run)
+        assert all(
+            math.isclose(a, b, rel_tol=TOL)
+            for a, b in zip(ours["grad_norms"], torch_run["grad_norms"])
+        ), (ours, torch_run)
+        assert close(ours["resumed"], torch_run["resumed"]), (ours, torch_run)
+        assert ours["resumed"][0] == ours["losses"][2]

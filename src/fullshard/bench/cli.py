@@ -9,6 +9,10 @@ Examples::
     fullshard bench --all --markdown out.md
     fullshard bench --config optim --nproc 4  # WholeTensor(Muon) vs AdamW vs naive, per step
     fullshard bench --config comm --modes fullshard deepspeed single  # vs DeepSpeed ZeRO-3
+    fullshard bench --modes fullshard,fsdp1-fullshard,fsdp1,fsdp2  # FSDP1's wrapper, both
+
+``fsdp1-fullshard`` is fullshard's ``FullyShardedDataParallel`` (FSDP1's API on fullshard's
+engine), ``fsdp1`` torch's FSDP1; no config runs them unless ``--modes`` names them.
 
 The ``deepspeed`` mode needs the ``peers`` extra (``pip install 'fullshard[peers]'``): without
 it, runs that include it by default skip it and say how to install it; asking for it with
@@ -77,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fullshard bench",
         description="Train the same GPT, data and seed under fullshard, torch FSDP2, DeepSpeed "
-        "ZeRO-3 (the peers extra), DDP, one process and a no-communication floor, alternating modes over repeats on local gloo "
+        "ZeRO-3 (the peers extra), DDP, one process and a no-communication floor (and, asked "
+        "for, FSDP1's wrapper: fullshard's and torch's), alternating modes over repeats on local gloo "
         "ranks; report step time, tokens/s, ratios, peak RSS per rank, collective traffic vs "
         "ZeRO-3 theory, exposed communication, and a loss check.",
     )

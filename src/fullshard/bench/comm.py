@@ -4,12 +4,12 @@ Bytes are the full (unsharded) buffer of each collective — the all-gather's ou
 reduce-scatter's input, the all-reduce's tensor — so ZeRO-3's theory is 3 x parameter bytes per
 step (all-gather in forward and in backward, reduce-scatter in backward) and DDP's is 1 x.
 
-Python-level engines (torch FSDP2, DeepSpeed, and fullshard unless its own counter answers) are
-metered by wrapping the ``torch.distributed`` functions they call at call time, and the
-references to them an engine bound at start-up (DeepSpeed's torch backend holds its all-gather
-and reduce-scatter functions). Time blocked is the wall time
-spent inside those calls plus inside ``Work.wait()``. DDP issues its all-reduces from C++, so its
-calls and bytes come from its reducer's bucket layout and its blocked time is not observable.
+Python-level engines (torch FSDP2 and FSDP1, DeepSpeed, and fullshard unless its own counter
+answers) are metered by wrapping the ``torch.distributed`` functions they call at call time,
+and the references to them an engine bound at start-up (DeepSpeed's torch backend holds its
+all-gather and reduce-scatter functions). Time blocked is the wall time spent inside those
+calls plus inside ``Work.wait()``. DDP issues its all-reduces from C++, so its calls and bytes
+come from its reducer's bucket layout and its blocked time is not observable.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")
 # torch.distributed function -> (kind, index of the full-size tensor argument, its keyword name)
 _PATCHED: dict[str, tuple[str, int, str]] = {
     "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "all_gather": ("all_gather", 0, "tensor_list"),  # torch's FSDP1 on gloo: a list out
     "all_gather_single": ("all_gather", 0, "output_tensor"),
     "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
     "reduce_scatter_single": ("reduce_scatter", 1, "input"),
@@ -36,6 +37,8 @@ _PATCHED: dict[str, tuple[str, int, str]] = {
 
 
 def _nbytes(t: Any) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
     return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
 
 

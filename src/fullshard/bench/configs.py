@@ -8,7 +8,17 @@ from dataclasses import dataclass
 # Modes of ``fullshard bench --config overhead`` (fullshard.bench.overhead).
 OVERHEAD_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "bare")
 
-__all__ = ["ALL_MODES", "CONFIGS", "PEER_MODES", "SHARDED_MODES", "BenchConfig", "get_config"]
+__all__ = [
+    "ALL_MODES",
+    "CONFIGS",
+    "DEFAULT_MODES",
+    "ENGINE_MODES",
+    "FSDP1_MODES",
+    "PEER_MODES",
+    "SHARDED_MODES",
+    "BenchConfig",
+    "get_config",
+]
 
 #: Every mode ``fullshard bench`` knows, in the order tables list them.
 #: ``nocomm`` trains an unsynchronised replica per rank on the rank's slice of the batch: the same
@@ -16,11 +26,29 @@ __all__ = ["ALL_MODES", "CONFIGS", "PEER_MODES", "SHARDED_MODES", "BenchConfig",
 #: (exposed communication = step time - nocomm step time).
 #: ``deepspeed`` is DeepSpeed ZeRO stage 3 with its defaults (``fullshard.peers``), from the
 #: optional ``peers`` extra: where it is not installed, runs skip it and say how to install it.
-ALL_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "deepspeed", "ddp", "single", "nocomm")
+#: The FSDP1 modes wrap the model in ``FullyShardedDataParallel`` (blocks auto-wrapped, the
+#: root holding the rest, as the other sharded modes' units): ``fsdp1-fullshard`` is fullshard's
+#: (``fullshard.fsdp1``), ``fsdp1`` torch's (a peer); no config runs them unless asked to.
+ALL_MODES: tuple[str, ...] = (
+    "fullshard",
+    "fsdp1-fullshard",
+    "fsdp2",
+    "fsdp1",
+    "deepspeed",
+    "ddp",
+    "single",
+    "nocomm",
+)
+#: The modes that ``FullyShardedDataParallel`` wraps (fullshard's, torch's).
+FSDP1_MODES: tuple[str, ...] = ("fsdp1-fullshard", "fsdp1")
+#: What the configs run unless ``--modes`` says otherwise.
+DEFAULT_MODES: tuple[str, ...] = tuple(m for m in ALL_MODES if m not in FSDP1_MODES)
 #: Modes whose engine comes from an optional extra (``fullshard.peers.peer_missing`` says).
 PEER_MODES: tuple[str, ...] = ("deepspeed",)
 #: ZeRO-3 modes: 3 x parameter bytes on the wire per step in theory.
-SHARDED_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "deepspeed")
+SHARDED_MODES: tuple[str, ...] = ("fullshard", "fsdp2", "deepspeed", *FSDP1_MODES)
+#: Modes on fullshard's engine (its collective recorder meters them; its AdamW local step).
+ENGINE_MODES: tuple[str, ...] = ("fullshard", "fsdp1-fullshard")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,7 +72,7 @@ class BenchConfig:
     """Runs per mode; modes alternate (A B C, C B A, ...) so drift hits every mode alike."""
     nprocs: tuple[int, ...] = (2,)
     """World sizes to run (``memory`` runs 1, 2 and 4 to show per-rank memory falling as 1/N)."""
-    modes: tuple[str, ...] = ALL_MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     reshard_after_forward: bool = True
     transport: str = "auto"
     """fullshard's ``CommPolicy(transport=...)``: ``auto``, ``packed`` or ``p2p``."""
@@ -114,7 +142,7 @@ CONFIGS: dict[str, BenchConfig] = {
         steps=3,
         warmup=1,
         repeats=1,
-        modes=tuple(m for m in ALL_MODES if m not in PEER_MODES),
+        modes=tuple(m for m in DEFAULT_MODES if m not in PEER_MODES),
     ),
 }
 

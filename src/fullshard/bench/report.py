@@ -43,6 +43,7 @@ def _rows(run: dict[str, Any]) -> list[list[str]]:
                 f"{m['step_s_median']:.3f} ({m['step_s_min']:.3f}-{m['step_s_max']:.3f})",
                 f"{m['tokens_per_s']:.0f}",
                 _f(m["ratio_vs_fsdp2"], "{:.2f}"),
+                _f(m.get("ratio_vs_fsdp1"), "{:.2f}"),
                 _f(m.get("ratio_vs_deepspeed"), "{:.2f}"),
                 _f(m["ratio_vs_ddp"], "{:.2f}"),
                 " / ".join(f"{x:.0f}" for x in m["peak_rss_mib_per_rank"]),
@@ -62,6 +63,7 @@ HEADER = [
     "s/step median (min-max)",
     "tokens/s",
     "vs FSDP2",
+    "vs FSDP1",
     "vs DeepSpeed",
     "vs DDP",
     "peak RSS MiB per rank",
@@ -141,12 +143,14 @@ def markdown(run: dict[str, Any]) -> str:
 
 def verdicts(run: dict[str, Any]) -> list[str]:
     """fullshard against its targets (FSDP2), saying by how much it misses where it does, and
-    against DeepSpeed ZeRO-3 where that ran (no target: a peer's numbers, stated)."""
+    against DeepSpeed ZeRO-3 where that ran, and fullshard's FSDP1 wrapper against torch's
+    FSDP1 (no target: a peer's numbers, stated)."""
     modes = run["modes"]
+    out = _fsdp1_verdict(modes)
     if "fullshard" not in modes:
-        return []
+        return out
     fs = modes["fullshard"]
-    out = _fsdp2_verdicts(run, fs, modes["fsdp2"]) if "fsdp2" in modes else []
+    out += _fsdp2_verdicts(run, fs, modes["fsdp2"]) if "fsdp2" in modes else []
     c = fs["comm"]
     if c is not None and c["bytes_vs_theory"] is not None:
         out.append(f"bytes on the wire {c['bytes_vs_theory']:.3f}x the ZeRO-3 theory (3 x params)")
@@ -158,6 +162,19 @@ def verdicts(run: dict[str, Any]) -> list[str]:
             f"{abs(dm):.0f} MiB {'below' if dm <= 0 else 'above'} DeepSpeed's"
         )
     return out
+
+
+def _fsdp1_verdict(modes: dict[str, Any]) -> list[str]:
+    """fullshard's FSDP1 wrapper against torch's FSDP1 (no target: the numbers, stated)."""
+    ours, theirs = modes.get("fsdp1-fullshard"), modes.get("fsdp1")
+    if ours is None or theirs is None:
+        return []
+    dm = ours["peak_rss_mib_max"] - theirs["peak_rss_mib_max"]
+    return [
+        f"fullshard's FSDP1 wrapper against torch's FSDP1: step time "
+        f"{ours['ratio_vs_fsdp1']:.2f}x, peak RSS {abs(dm):.0f} MiB "
+        f"{'below' if dm <= 0 else 'above'} torch's"
+    ]
 
 
 def _fsdp2_verdicts(run: dict[str, Any], fs: dict[str, Any], ref: dict[str, Any]) -> list[str]:

@@ -29,7 +29,7 @@ __all__ = ["LOSS_RTOL", "RATIO_PEERS", "aggregate", "alternate", "machine_info",
 #: Relative loss tolerance against the reference (single process) at every step, fp32.
 LOSS_RTOL = 1e-5
 #: Every mode's step time is also given as a ratio to each of these (``ratio_vs_<peer>``).
-RATIO_PEERS: tuple[str, ...] = ("fsdp2", "deepspeed", "ddp")
+RATIO_PEERS: tuple[str, ...] = ("fsdp2", "fsdp1", "deepspeed", "ddp")
 
 _MIB = 2**20
 

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.bench.comm import KINDS, CommMeter, ddp_comm_per_step
-from fullshard.bench.configs import PEER_MODES, BenchConfig
+from fullshard.bench.configs import ENGINE_MODES, FSDP1_MODES, PEER_MODES, BenchConfig
 from fullshard.memory.tracker import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from fullshard.models import GPT, GPTConfig
 from fullshard.optim import local_step
-from fullshard.peers import load_fully_shard, load_peer
+from fullshard.peers import load_fully_shard, load_peer, load_torch_fsdp1
 
 __all__ = [
     "Trainee",
@@ -89,6 +89,8 @@ def wrap(model: GPT, mode: str, reshard_after_forward: bool, transport: str = "a
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         return model
+    if mode in FSDP1_MODES:
+        return _wrap_fsdp1(model, mode, reshard_after_forward)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -98,11 +100,34 @@ def wrap(model: GPT, mode: str, reshard_after_forward: bool, transport: str = "a
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def _wrap_fsdp1(model: GPT, mode: str, reshard_after_forward: bool) -> nn.Module:
+    """``FullyShardedDataParallel`` (fullshard's or torch's) with FSDP1's defaults, each block
+    auto-wrapped: ``FULL_SHARD``, or ``SHARD_GRAD_OP`` without resharding after forward."""
+    import torch.distributed.fsdp.wrap as policies
+    from torch.distributed.fsdp import ShardingStrategy
+
+    if mode == "fsdp1-fullshard":
+        from fullshard.fsdp1 import FullyShardedDataParallel
+
+        cls: type = FullyShardedDataParallel
+    else:
+        cls = load_torch_fsdp1()
+    strategy = (
+        ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+    )
+    return cls(  # type: ignore[no-any-return]
+        model,
+        sharding_strategy=strategy,
+        auto_wrap_policy=policies.ModuleWrapPolicy({type(model.blocks[0])}),
+        device_id=torch.device("cpu"),  # gloo ranks (torch's FSDP1 wants it said on a CPU)
+    )
+
+
 def make_optimizer(net: nn.Module, cfg: BenchConfig, mode: str) -> torch.optim.Optimizer:
     """Every mode's AdamW; fullshard's steps on the local shards unless ``cfg.local_step`` is
     off (bitwise the DTensor step, tests/test_optim_local.py, without DTensor's dispatch)."""
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if mode == "fullshard" and cfg.local_step:
+    if mode in ENGINE_MODES and cfg.local_step:
         local_step(opt)
     return opt
 
@@ -165,12 +190,12 @@ class _EngineMeter:
 
 
 def _meter(mode: str, trainee: Trainee) -> Any:
-    if mode == "fullshard":
+    if mode in ENGINE_MODES:
         try:
             return _EngineMeter()
         except ImportError:  # an engine without the recorder: meter it like the peers
             return CommMeter().install()
-    if mode == "fsdp2":
+    if mode in ("fsdp2", "fsdp1"):
         return CommMeter().install()
     if trainee.peer is not None:
         return CommMeter().install(also=trainee.peer.cached_collectives())

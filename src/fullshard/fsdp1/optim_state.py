@@ -34,6 +34,7 @@ from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.shards import wrap_like
+from .orig_params import swap_replaced
 from .state_dict import clean_fqn, full_of_sharded_tensor, is_sharded_tensor, shard_like
 
 __all__ = ["export_optim_state", "import_optim_state", "param_order", "rekey", "scatter_from_rank0"]
@@ -45,6 +46,7 @@ def param_order(model: nn.Module, optim: torch.optim.Optimizer | None) -> list[n
     """Parameters by position: the optimizer's (``state_dict()`` numbering), else the model's."""
     if optim is None:
         return list(model.parameters())
+    swap_replaced(optim)  # an optimizer built before wrapping: the wrapped parameters
     out: list[nn.Parameter] = []
     seen: set[int] = set()
     for group in optim.param_groups:

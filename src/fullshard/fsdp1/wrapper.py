@@ -54,9 +54,11 @@ from ..module import FullyShardError, UnshardHandle, adopt_applied_params
 from . import config
 from . import state_dict as S
 from .comm_hook import install_comm_hook
+from .flat_param import FlatParamSummary
 from .materialize import local_modules, materialize, move_to_device
 from .materialize import sync_module_states as sync_states
 from .optim_api import OptimStateDictMethods
+from .orig_params import named_originals, record_replaced
 from .summon import check_summon_args, summon
 from .wrap import auto_wrap
 
@@ -125,6 +127,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         device_mesh: DeviceMesh | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not torch's FSDP1 __init__: see the Note
+        originals = named_originals(module)  # what an optimizer built before may hold
         self._summoning = False  # inside summon_full_params
         self._buffers_cast = False  # buffer_dtype applied (the root's first forward)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -177,6 +180,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             offload_policy=config.offload_policy_of(cpu_offload),
             ignored_params=ignored_params,
         )
+        record_replaced(originals, self)
         self._set_fsdp1_attributes(info, strategy, locals())
         self._ignored_modules = ignored_mods
         self._ignored_params = ignored_params
@@ -220,9 +224,13 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         return bool(self._unit.group.params)
 
     @property
-    def _flat_param(self) -> None:  # type: ignore[override]
-        """Always ``None``: fullshard keeps the original parameters (no ``FlatParameter``)."""
-        return None
+    def _flat_param(self) -> FlatParamSummary | None:  # type: ignore[override]
+        """No ``FlatParameter`` (fullshard keeps the original parameters): ``None`` without
+        parameters, else what frameworks read of one (``fullshard.fsdp1.flat_param``)."""
+        own = self._unit.group.params
+        if not own:
+            return None
+        return FlatParamSummary([sp.sharded_param for sp in own], [sp.fqn for sp in own])
 
     @property
     def _is_root(self) -> bool | None:  # type: ignore[override]

@@ -1,0 +1,46 @@
+"""What a wrapper's ``_flat_param`` gives in place of FSDP1's ``FlatParameter``.
+
+fullshard has no flat parameter, but frameworks read a few of its attributes: Accelerate, when
+mixed precision is on, checks every wrapper's ``_flat_param`` for ``dtype``, ``device`` and
+``requires_grad`` and, if the model was loaded in low precision, upcasts it to float32 in place
+(``flat_param.data = flat_param.data.to(torch.float32)``). :class:`FlatParamSummary` answers
+the reads for the wrapper's own parameters; the in-place upcast is refused with the fix (load
+the model in float32), since fullshard's units keep their parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["FlatParamSummary"]
+
+
+class FlatParamSummary:
+    """The attributes of FSDP1's ``FlatParameter`` that frameworks read, for ``params`` (the
+    wrapper's own parameters, named ``fqns``)."""
+
+    def __init__(self, params: list[nn.Parameter], fqns: list[str]) -> None:
+        self._params = params
+        self._fqns = tuple(fqns)  # FSDP1's FlatParameter._fqns
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (FSDP1 wants one per wrapper; the first one's if not)."""
+        return self._params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._params[0].device
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(p.requires_grad for p in self._params)
+
+    @property
+    def data(self) -> torch.Tensor:
+        raise NotImplementedError(
+            f"fullshard's FullyShardedDataParallel has no flat parameter to cast in place: its "
+            f"parameters ({', '.join(self._fqns)}) keep their dtype ({self.dtype}). Load the "
+            f"model in float32; MixedPrecision(param_dtype=...) computes in the low precision"
+        )

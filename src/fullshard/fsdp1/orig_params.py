@@ -1,0 +1,67 @@
+"""Optimizers built before wrapping.
+
+FSDP1 with ``use_orig_params=True`` keeps the module's parameter objects, so an optimizer built
+on the unwrapped model trains the wrapped one; Accelerate's ``prepare(model, optimizer)`` relies
+on it. fullshard's wrapper replaces each parameter with a ``DTensor`` shard, a new object, which
+such an optimizer would never see (it would step nothing, silently). So each wrapper records
+which parameter replaced which (:func:`record_replaced`), and one global optimizer step
+pre-hook, installed with the first record, swaps the replaced parameters in any optimizer that
+still holds them, moving their state along, before its step (:func:`swap_replaced`; the FSDP1
+optimizer-state methods call it too). A replaced parameter's memory is released at once (its
+data becomes an empty tensor), as FSDP1 frees the unsharded originals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .state_dict import clean_fqn
+
+__all__ = ["named_originals", "record_replaced", "swap_replaced"]
+
+_REPLACED = WeakIdKeyDictionary()  # a replaced parameter -> the one that replaced it
+_HOOK: list[RemovableHandle] = []  # the global step pre-hook, once installed
+
+
+def named_originals(module: nn.Module) -> dict[str, nn.Parameter]:
+    """``module``'s parameters by FSDP1's clean names (tied ones under each of their names)."""
+    return {clean_fqn(n): p for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def record_replaced(before: dict[str, nn.Parameter], wrapper: nn.Module) -> None:
+    """Record each parameter of ``before`` (:func:`named_originals` of the module, taken before
+    wrapping it) that ``wrapper`` now holds another parameter in place of, and free its data."""
+    after = named_originals(wrapper)
+    for name, old in before.items():
+        new = after.get(name)
+        if new is None or new is old:
+            continue
+        _REPLACED[old] = new
+        old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+    if len(_REPLACED) and not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def swap_replaced(optim: torch.optim.Optimizer) -> None:
+    """Put the parameters that replaced ``optim``'s (and their state) in their place."""
+    if not len(_REPLACED):
+        return
+    for group in optim.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            new = _REPLACED.get(p)
+            if new is None:
+                continue
+            params[i] = new
+            if p in optim.state:
+                optim.state[new] = optim.state.pop(p)
+
+
+def _before_step(optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    swap_replaced(optim)
