@@ -111,7 +111,8 @@ def _observe(model: nn.Module, step_fn: Any) -> dict[str, Any]:
         "recycled": ("unshard_alloc", "recycled") in events or ("gather_issue", "reused") in events,
         "p2p": any(a in ("p2p", "all_reduce") for _, a in algos),
         "window": ctx.order.window_bytes,
-        "slabs": ctx.comm.pool.slabs_started,
+        "slabs": ctx.host.pool.slabs_started if ctx.host and ctx.host.pool else 0,
+        "host": ctx.host is not None,  # [Note: the host strategy]: None is the core alone
     }
 
 
@@ -128,7 +129,7 @@ def _big_step(model: nn.Module, step: int) -> torch.Tensor:
 
 def _runs() -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
     out = {}
-    for off in [(), *((c,) for c in CPU_CHOICES), ("small_unit_window",)]:
+    for off in [(), *((c,) for c in CPU_CHOICES), CPU_CHOICES]:
         policy = CommPolicy(cpu_fast_paths_off=off)
         out[("small", off)] = _observe(shard_net(make_net(), comm_policy=policy), _small_step)
         big = _Big()
@@ -178,3 +179,7 @@ def test_each_cpu_choice_switched_off_trains_the_same() -> None:
     for model in ("small", "big"):
         assert runs[(model, ("grad_slabs",))]["slabs"] == 0
         assert runs[(model, ("buffer_pool",))]["slabs"] == 0
+        # all of them off: no host strategy at all, the core alone ([Note: the host strategy])
+        core = runs[(model, CPU_CHOICES)]
+        assert core["host"] is False and on_small["host"] is True
+        assert not (core["pieces"] or core["recycled"] or core["p2p"] or core["window"])

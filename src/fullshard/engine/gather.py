@@ -92,9 +92,16 @@ class PendingGather:
 
 
 def _allocate(g: GatherUnit, buf: torch.Tensor) -> None:
-    """Give the (resized-to-0) unsharded buffer its storage back: recycled memory when the
-    pool has some ([Note: recycling unsharded buffers] in ``fullshard.engine.pool``)."""
-    how = g.comm.pool.take(buf.untyped_storage(), buf.numel() * buf.element_size())
+    """Give the (resized-to-0) unsharded buffer its storage back: fresh memory, or the
+    host strategy's pooled memory ([Note: the host strategy] in ``fullshard.engine.host``)."""
+    storage, nbytes, host = buf.untyped_storage(), buf.numel() * buf.element_size(), g.comm.host
+    if host is not None:
+        how = host.refill(storage, nbytes)
+    elif storage.nbytes() == nbytes:
+        how = ""
+    else:
+        storage.resize_(nbytes)
+        how = "fresh"
     if how:
         emit("unshard_alloc", g.name, how)
 

@@ -69,7 +69,7 @@ class ParamGroup:
         self.state = ShardedState.SHARDED
         # Chosen at lazy init (init_layout, see fullshard.engine.transport).
         self.transport = Transport(self.comm_policy.transport, False, False)
-        # The root's plan, streams and pool, shared by reference (fullshard.engine.comm); bound
+        # The root's plan, streams and host strategy, shared by reference (fullshard.engine.comm); bound
         # at lazy init.
         self.comm = CommContext.unbound(device)
         # Knobs (set_* methods of FSDPModule); the gradient ones live in ``overrides``, which
@@ -299,9 +299,9 @@ class ParamGroup:
 
     def _release(self, recycle: bool = False, lend: bool = False) -> None:
         """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes; with
-        ``recycle``, its memory goes to the pool for the next gather ([Note: recycling
-        unsharded buffers] in ``fullshard.engine.pool``); with ``lend``, it becomes the slab for the
-        next reduce-scatter outputs ([Note: gradient memory lent for the next forward])."""
+        ``recycle`` or ``lend`` the root's host strategy keeps its memory for the next gather
+        or lends it as the slab for the next reduce-scatter outputs ([Note: the host
+        strategy] in ``fullshard.engine.host``; asked only where there is one)."""
         if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
             return
         if self.keep_unsharded_storage and self.unsharded_buf is not None:
@@ -311,10 +311,11 @@ class ParamGroup:
                 return
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
-            if recycle:
-                self.comm.pool.put(storage, self._content())
-            elif lend and storage.nbytes() == self.unsharded_nbytes():
-                self.comm.pool.start_slab(storage, storage.nbytes())
+            host = self.comm.host
+            if host is not None and recycle:
+                host.keep(storage, self._content())
+            elif host is not None and lend and storage.nbytes() == self.unsharded_nbytes():
+                host.open_slab(storage, storage.nbytes())
             else:
                 freed(storage, f"unit {self.name!r}'s unsharded buffer")
                 storage.resize_(0)
@@ -362,12 +363,10 @@ class ParamGroup:
     def reclaim_gathered(self) -> bool:
         """Take back this unit's own freed memory if it still holds the current gather, in
         place of gathering ([Note: taking back a unit's own gathered memory])."""
-        buf = self.unsharded_buf
-        if buf is None:
+        buf, host = self.unsharded_buf, self.comm.host
+        if buf is None or host is None:
             return False
-        return self.comm.pool.reclaim(
-            buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current
-        )
+        return host.reclaim(buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current)
 
     def check_materialised(self) -> None:
         """Raise FSDP2's error, naming them, if any parameter is still on the meta device."""
@@ -542,8 +541,8 @@ class ParamGroup:
         lend = lend and self.reshard_after_backward
         if self.reshard_after_backward:
             self.reshard(recycle, lend)
-        if slab and not lend:
-            self.comm.pool.start_slab(None, slab)
+        if slab and not lend and self.comm.host is not None:
+            self.comm.host.open_slab(None, slab)
         pending = []
         for g, grads in ready:
             if not grads:

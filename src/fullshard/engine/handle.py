@@ -130,7 +130,12 @@ class Handle:
         self._keep = keep
 
     def wait(self) -> None:
-        """Block until the collective has finished; record the time spent waiting."""
+        """Block until the collective has finished; record the time spent waiting.
+
+        The current stream is ordered after the collective first: gloo's reduce-scatter
+        copies its result into the output inside ``work.wait()``, on the waiting thread,
+        which is the collective's own write, not the waiter's."""
+        self._order_after()
         if self._work is not None:
             start = time.perf_counter()
             try:
@@ -142,7 +147,6 @@ class Handle:
             for stats in _active:
                 stats.wait_seconds += waited
             self._work = None
-        self._order_after()
         self._keep = ()
         if self._then is not None:
             self._then()

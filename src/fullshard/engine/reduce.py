@@ -416,12 +416,15 @@ def lendable_output_nbytes(g: ReduceUnit) -> int:
 
 
 def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The reduce-scatter output (it becomes the gradient shards): carved from the pool's
-    open slab where there is one ([Note: gradient memory lent for the next forward] in
-    ``fullshard.engine.pool``), else fresh."""
-    lendable = g.comm.pool.filling_slab and lendable_output_nbytes(g)  # cheap test first
-    out = g.comm.pool.grad_output(numel, dtype) if lendable else None
-    return out if out is not None else torch.empty(numel, dtype=dtype, device=g.device)
+    """The reduce-scatter output (it becomes the gradient shards): fresh, or carved from the
+    host strategy's open slab ([Note: gradient memory lent for the next forward] in
+    ``fullshard.engine.pool``)."""
+    host = g.comm.host
+    if host is not None and host.filling_slab and lendable_output_nbytes(g):  # cheap test first
+        out = host.grad_output(numel, dtype)
+        if out is not None:
+            return out
+    return torch.empty(numel, dtype=dtype, device=g.device)
 
 
 def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
