@@ -130,13 +130,9 @@ def start_gather(g: GatherUnit) -> PendingGather:
         emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
         return PendingGather(C.Handle(None), None, None)
     _offload_event(g)
-    in_pieces = (
-        not watched
-        and g.transport.gathers_in_pieces
-        and g.overrides.all_gather is None  # a custom all-gather takes packed buffers
-        and g.post_forward_chunk is None
-        and g.wire_gather_dtype() == g.compute_dtype()
-    )
+    # the unit's transport, decided once (ParamGroup._choose_transport); the kept copy of an
+    # int reshard_after_forward is regathered packed within its subgroup
+    in_pieces = not watched and g.transport.gathers_in_pieces and g.post_forward_chunk is None
     emit("gather_issue", g.name, "pieces" if in_pieces else "packed")
     with torch.no_grad():
         return _gather_in_pieces(g) if in_pieces else _gather_packed(g)

@@ -12,6 +12,7 @@ on the placement lives in :class:`~fullshard.engine.param.ShardedParam`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,14 @@ from .param import ShardedParam
 from .partition import mesh_name, ranks_of, split_by_dtype, split_by_mesh
 from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
 from .pool import BufferContent
-from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
+from .reduce import (
+    PartialReduce,
+    PendingReduce,
+    collect_grads,
+    grad_division,
+    hand_out_local,
+    start_reduce,
+)
 from .state import ShardedState, transition
 from .streamcheck import freed
 from .transport import Transport, select_transport
@@ -173,15 +181,7 @@ class ParamGroup:
             off += sp.shard_numel
         self.total = off
         dtype = self.compute_dtype()
-        self.transport = select_transport(
-            self.comm_policy.transport,
-            self.comm.plan.backend,
-            self.comm.plan.device_type,
-            self.world,
-            self.world * self.total * dtype.itemsize,
-            aliasable=self._aliasable(),
-            plan=self.comm.plan,
-        )
+        self._choose_transport(self._aliasable())
         if self.transport.local:  # [Note: a shard group of one rank]
             self.unsharded_buf, self._regions = None, []
             self._aliased = [sp.local for sp in self.layout]
@@ -226,6 +226,43 @@ class ParamGroup:
         self.comm = comm
         for child in self.subgroups:
             child.bind(comm)
+
+    def _choose_transport(self, aliasable: bool) -> None:
+        """The unit's one decision of how each direction moves: ``select_transport``'s choice
+        for its size and backend, kept packed where a unit's settings need one buffer (a
+        custom collective takes packed buffers; a wire dtype other than the compute dtype,
+        or an fp16 division split around the reduction, converts the packed buffer). Made at
+        lazy init and again when such a setting changes (:meth:`settings_changed`); a
+        gather or reduction only reads it ([Note: transports] in fullshard.engine.transport)."""
+        t = select_transport(
+            self.comm_policy.transport,
+            self.comm.plan.backend,
+            self.comm.plan.device_type,
+            self.world,
+            self.world * self.total * self.compute_dtype().itemsize,
+            aliasable=aliasable,
+            plan=self.comm.plan,
+        )
+        self.transport = t
+        if t.local or not (t.gathers_in_pieces or t.reduces_in_pieces):
+            return
+        reduce_dtype = self.wire_reduce_dtype()
+        self.transport = replace(
+            t,
+            gathers_in_pieces=t.gathers_in_pieces
+            and self.overrides.all_gather is None
+            and self.wire_gather_dtype() == self.compute_dtype(),
+            reduces_in_pieces=t.reduces_in_pieces
+            and self.overrides.reduce_scatter is None
+            and grad_division(self, reduce_dtype).pre == 1.0,
+        )
+
+    def settings_changed(self) -> None:
+        """A knob the transport depends on changed (custom collectives, the gradient divide
+        factor; ``FSDPModule``'s setters call this): decide again, keeping the layout."""
+        for g in (self, *self.subgroups):
+            if g._layout_key:  # laid out (before that, lazy init decides)
+                g._choose_transport(g.transport.local)
 
     def _aliasable(self) -> bool:
         """Whether this unit's unsharded parameters can be its shards themselves.
