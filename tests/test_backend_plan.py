@@ -58,10 +58,10 @@ def test_plans_per_device_and_backend() -> None:
     cpu = BackendPlan.choose("cpu", "gloo")
     assert cpu.pieces and cpu.p2p_collectives and cpu.window_bytes == SMALL_UNIT_WINDOW_BYTES
     # recycling needs UntypedStorage._swap_data_ptr_ (torch 2.12): off on older torch
-    assert cpu.buffer_pool == cpu.grad_slabs == STORAGE_SWAP and not cpu.streams
+    assert cpu.buffer_pool == cpu.grad_slabs == STORAGE_SWAP
     cuda = BackendPlan.choose("cuda", "nccl")  # the plain path: FSDP2's
     assert (cuda.pieces, cuda.p2p_collectives, cuda.window_bytes) == (False, False, 0)
-    assert (cuda.buffer_pool, cuda.grad_slabs, cuda.streams) == (False, False, True)
+    assert (cuda.buffer_pool, cuda.grad_slabs) == (False, False)
     assert cuda.algorithm("all_gather", 2, 1 << 30) == "all_gather"
     assert cpu.algorithm("all_gather", 2, 1 << 30) == "p2p"
     assert cpu.algorithm("reduce_scatter", 4, 1 << 30) == "all_reduce"

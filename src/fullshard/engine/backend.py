@@ -90,7 +90,6 @@ class BackendPlan:
     window_bytes: int = 0
     buffer_pool: bool = False
     grad_slabs: bool = False
-    streams: bool = False
 
     @staticmethod
     def choose(device_type: str, backend: str, off: Iterable[str] = ()) -> BackendPlan:
@@ -174,5 +173,4 @@ def _choose(device_type: str, backend: str, off: frozenset[str]) -> BackendPlan:
         window_bytes=SMALL_UNIT_WINDOW_BYTES if cpu and "small_unit_window" not in off else 0,
         buffer_pool=pool,
         grad_slabs=pool and STORAGE_USE_COUNT and "grad_slabs" not in off,
-        streams=device_type == "cuda",
     )

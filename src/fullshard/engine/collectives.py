@@ -212,6 +212,18 @@ def _algorithm(
     return plan.algorithm(kind, dist.get_world_size(group), nbytes)
 
 
+def _device_of(args: tuple[Any, ...]) -> torch.device:
+    """The device of the first tensor in a collective's arguments (nested lists included)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+        if isinstance(arg, (list, tuple)):
+            found = _device_of(tuple(arg))
+            if found.type != "meta":
+                return found
+    return torch.device("meta")  # no tensor: nothing to order
+
+
 def _start(
     kind: str,
     call: str,
@@ -229,7 +241,7 @@ def _start(
         work = _issue(call, *args, async_op=async_op, **kwargs)
     except RuntimeError as e:
         raise CollectiveError(context, time.perf_counter() - start, e) from e
-    handle = Handle(work, then=then, context=context)
+    handle = Handle(work, _device_of(args), then=then, context=context)
     if not async_op:
         handle.wait()
     return handle
@@ -276,7 +288,7 @@ def all_gather(
     """
     size = _local_or_size("all_gather", output, input, group, output_is_full=True)
     if size == 1:
-        return Handle(None, keep=(output, input))
+        return Handle(None, output.device, keep=(output, input))
     assert group is not None
     if comm is not None:
         record("all_gather", output, size, "custom")
@@ -328,7 +340,7 @@ def all_gather_pieces(
             f"{[len(p) for p in pieces]}"
         )
     if size == 1:
-        return Handle(None)
+        return Handle(None, pieces[0][0].device)
     assert group is not None
     me = dist.get_rank(group)
     record("all_gather", pieces[me][0], size, "p2p", nbytes=nbytes)
@@ -359,7 +371,7 @@ def reduce_scatter(
     """
     size = _local_or_size("reduce_scatter", output, input, group, output_is_full=False)
     if size == 1:
-        return Handle(None, keep=(output, input))
+        return Handle(None, output.device, keep=(output, input))
     assert group is not None
     if comm is not None:
         record("reduce_scatter", input, size, "custom")
@@ -427,7 +439,7 @@ def reduce_scatter_pieces(
     if size == 1:
         for out, piece in zip(outputs, pieces[0]):
             out.copy_(piece)
-        return Handle(None, keep=(*outputs, *pieces[0]))
+        return Handle(None, outputs[0].device, keep=(*outputs, *pieces[0]))
     assert group is not None
     record("reduce_scatter", pieces[me][0], size, "p2p", nbytes=nbytes)
     return _reduce_scatter_p2p(pieces, outputs, group, what, True)
@@ -490,7 +502,7 @@ def all_reduce(
     """Reduce ``tensor`` in place across the ranks of ``group`` (SUM by default)."""
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
-        return Handle(None)
+        return Handle(None, tensor.device)
     record("all_reduce", tensor, size)
     return _start(
         "all_reduce", "all_reduce", what, size, tensor, op=op, group=group, async_op=async_op

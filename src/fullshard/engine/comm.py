@@ -39,5 +39,4 @@ class CommContext:
     def unbound(cls, device: torch.device) -> CommContext:
         """What a group holds before lazy init: nothing to share yet, nothing kept."""
         plan = BackendPlan.choose(device.type, "")
-        cpu = BackendPlan.choose("cpu", "")
-        return cls(plan, CommStreams(torch.device("cpu"), cpu), None)
+        return cls(plan, CommStreams(torch.device("cpu")), None)

@@ -88,7 +88,7 @@ class StepContext(Generic[U]):
         # (``streams``: shared with other roots by share_comm_ctx) and the CPU's special
         # cases ([Note: the host strategy] in fullshard.engine.host; None: the core alone)
         host = HostStrategy.for_plan(device, plan, root, _lendable_nbytes)
-        self.comm = CommContext(plan, streams or CommStreams(device, plan), host)
+        self.comm = CommContext(plan, streams or CommStreams(device), host)
         self.order: StepOrder[U] = StepOrder(_gathered_nbytes, host.window_bytes if host else 0)
         self.pending: list[PendingReduce] = []
         # HSDP reductions whose all-reduce across replicas is in flight (see make_room)

@@ -128,7 +128,7 @@ def start_gather(g: GatherUnit) -> PendingGather:
         assert buf is not None
         # nbytes: what the all-gather would have counted (its full output)
         emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
-        return PendingGather(C.Handle(None), None, None)
+        return PendingGather(C.Handle(None, g.device), None, None)
     _offload_event(g)
     # the unit's transport, decided once (ParamGroup._choose_transport); the kept copy of an
     # int reshard_after_forward is regathered packed within its subgroup

@@ -179,14 +179,15 @@ class PendingReduce:
                 self.output.div_(post)
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
-            # a CPU run moves nothing, except under a stream checker ([Note: the offload
-            # copy on the CPU] in fullshard.engine.streams)
-            if self.offload and self.streams.moves_to_host(shard):
+            # a CPU run copies too ([Note: the offload copy on the CPU] in
+            # fullshard.engine.streams), but moves nothing between devices
+            if self.offload:
                 # Cast on the device (as FSDP2), so the host never computes on a copy in flight;
                 # where the host reads the gradient at once (added into an existing one, or a
                 # post-accumulate-grad hook), wait for the copy first.
                 shard = shard.to(sp.orig_dtype)
-                emit("d2h", self.unit, nbytes=shard.numel() * shard.element_size())
+                if shard.device.type != "cpu":
+                    emit("d2h", self.unit, nbytes=shard.numel() * shard.element_size())
                 shard = self.streams.to_host(shard, self.pin)
                 if sp.reads_grad_on_arrival():
                     self.streams.wait_host_copies()
