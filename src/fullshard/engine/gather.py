@@ -35,6 +35,7 @@ import torch.distributed as dist
 from . import collectives as C
 from .events import emit
 from .labels import label
+from .observed import report
 from .overrides import allocate
 from .param import ShardedParam
 from .quant import dequantize_int8, quantize_int8
@@ -122,17 +123,18 @@ def _offload_event(g: GatherUnit) -> None:
 def start_gather(g: GatherUnit) -> PendingGather:
     """Issue the all-gather of ``g``'s parameters the way its transport says."""
     g.check_materialised()
-    watched = C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
-    if not watched and g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
+    if g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
         buf = g.unsharded_buf
         assert buf is not None
+        if g.world > 1:  # counts as the all-gather it stands for ([Note: collectives under
+            report("all_gather")  # torch's tools] in fullshard.engine.observed)
         # nbytes: what the all-gather would have counted (its full output)
         emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
         return PendingGather(C.Handle(None, g.device), None, None)
     _offload_event(g)
     # the unit's transport, decided once (ParamGroup._choose_transport); the kept copy of an
     # int reshard_after_forward is regathered packed within its subgroup
-    in_pieces = not watched and g.transport.gathers_in_pieces and g.post_forward_chunk is None
+    in_pieces = g.transport.gathers_in_pieces and g.post_forward_chunk is None
     emit("gather_issue", g.name, "pieces" if in_pieces else "packed")
     with torch.no_grad():
         return _gather_in_pieces(g) if in_pieces else _gather_packed(g)

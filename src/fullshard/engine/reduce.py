@@ -292,10 +292,8 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     # the unit's transport, decided once (ParamGroup._choose_transport); gradients that
     # cannot be sent as they are (another dtype: accumulated without sync in the reduce
     # dtype; not contiguous) are packed
-    in_pieces = (
-        not C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
-        and g.transport.reduces_in_pieces
-        and all(grad.dtype == dtype and grad.is_contiguous() for _, grad in ready)
+    in_pieces = g.transport.reduces_in_pieces and all(
+        grad.dtype == dtype and grad.is_contiguous() for _, grad in ready
     )
     emit("reduce_issue", g.name, "pieces" if in_pieces else "packed")
     params = [sp for sp, _ in ready]
