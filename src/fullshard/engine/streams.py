@@ -74,7 +74,8 @@ def serves(stream: object, device: torch.device) -> bool:
     """Whether ``stream`` can run work for ``device``: a CUDA stream of that device, or a
     logical stream for any other device (a user's ``torch.cpu.Stream`` orders nothing)."""
     if device.type == "cuda":
-        return isinstance(stream, torch.cuda.Stream) and stream.device == device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return isinstance(stream, torch.cuda.Stream) and stream.device.index == index
     return isinstance(stream, LogicalStream)
 
 
