@@ -203,128 +203,150 @@ def _run_fake(
     x: torch.Tensor,
     y: torch.Tensor,
 ) -> list[Segment]:
-    width, tokens = _width(model), spec.batch * spec.seq
+    """One forward and backward of ``model`` on fake tensors, cut into segments at unit
+    boundaries (see :class:`_SegmentRecorder`)."""
+    return _SegmentRecorder(spec, model, named).run(x, y)
 
-    def is_hidden(t: torch.Tensor) -> bool:
+
+class _SegmentRecorder:
+    """Live bytes and op costs of one fake step, one :class:`Segment` per stretch between unit
+    boundaries (a unit's forward, its backward, the root between them, the loss); a unit's
+    gradients are freed (reduced) when the last one of them is accumulated."""
+
+    def __init__(self, spec: PlanSpec, model: nn.Module, named: list[tuple[str, nn.Module]]):
+        self.spec, self.model, self.named = spec, model, named
+        self.width, self.tokens = _width(model), spec.batch * spec.seq
+        self.tracker = LiveTensorBytes(
+            classify=lambda t: "hidden" if self._is_hidden(t) else "other"
+        )
+        self.cost = OpCost(classify=self._is_hidden, on_matmul_input=self._gathered)
+        self.segments: list[Segment] = []
+        self.owner: dict[int, int] = {}  # id(param) -> unit index
+        for i, (_, mod) in reversed(list(enumerate(named))):
+            for p in mod.parameters():
+                self.owner.setdefault(id(p), i)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.by_unit: dict[int, list[nn.Parameter]] = {i: [] for i in range(len(named))}
+        for p in self.params:
+            self.by_unit[self.owner[id(p)]].append(p)
+        self.pending = {i: len(ps) for i, ps in self.by_unit.items()}
+        self.mark = self.cost.totals()
+
+    def _is_hidden(self, t: torch.Tensor) -> bool:
         """A residual-stream-shaped tensor ([b, s, d] or [b*s, d])."""
-        return t.dim() >= 2 and t.shape[-1] == width and t.numel() == tokens * width
+        return t.dim() >= 2 and t.shape[-1] == self.width and t.numel() == self.tokens * self.width
 
-    tracker = LiveTensorBytes(classify=lambda t: "hidden" if is_hidden(t) else "other")
-
-    def gathered(t: torch.Tensor) -> None:
+    def _gathered(self, t: torch.Tensor) -> None:
         """A matmul reads this residual-stream tensor: under sequence parallelism it is the
         all-gathered, full-length copy (what a column-parallel linear saves), not a shard."""
-        tracker.recategorize(t, "hidden", "gathered")
+        self.tracker.recategorize(t, "hidden", "gathered")
 
-    cost = OpCost(classify=is_hidden, on_matmul_input=gathered)
-    segments: list[Segment] = []
-    owner: dict[int, int] = {}  # id(param) -> unit index
-    for i, (_, mod) in reversed(list(enumerate(named))):
-        for p in mod.parameters():
-            owner.setdefault(id(p), i)
-    params = [p for p in model.parameters() if p.requires_grad]
-    pending = {i: sum(1 for p in params if owner[id(p)] == i) for i in range(len(named))}
-    by_unit: dict[int, list[nn.Parameter]] = {i: [] for i in range(len(named))}
-    for p in params:
-        by_unit[owner[id(p)]].append(p)
+    def _live(self) -> int:
+        return self.tracker.current - self.tracker.by_category.get("param", 0)
 
-    def live() -> int:
-        return tracker.current - tracker.by_category.get("param", 0)
+    def _grads(self) -> int:
+        return self.tracker.by_category.get("grad", 0)
 
-    def grads() -> int:
-        return tracker.by_category.get("grad", 0)
+    def _hidden(self) -> int:
+        return self.tracker.by_category.get("hidden", 0)
 
-    def hidden() -> int:
-        return tracker.by_category.get("hidden", 0)
-
-    mark = [cost.totals()]
-
-    def close() -> None:  # the ops since the last segment began are the last segment's
-        now = cost.totals()
-        if segments:
-            seg = segments[-1]
-            d = [a - b for a, b in zip(now, mark[0])]
+    def _close(self) -> None:
+        """The ops since the last segment began are the last segment's."""
+        now = self.cost.totals()
+        if self.segments:
+            seg = self.segments[-1]
+            d = [a - b for a, b in zip(now, self.mark)]
             seg.mm_flops, seg.attn_flops = seg.mm_flops + d[0], seg.attn_flops + d[1]
             seg.mem_bytes, seg.hidden_mem_bytes = seg.mem_bytes + d[2], seg.hidden_mem_bytes + d[3]
             seg.mm_operand_bytes += d[4]
             seg.causal_attn_flops += d[5]
-        mark[0] = now
+        self.mark = now
 
-    def begin(label: str, unit: int, phase: str) -> None:
-        close()
-        now, g, h = live(), grads(), hidden()
-        last = segments[-1] if segments else None
+    def _begin(self, label: str, unit: int, phase: str) -> None:
+        self._close()
+        now, g, h = self._live(), self._grads(), self._hidden()
+        last = self.segments[-1] if self.segments else None
         after = unit if unit > 0 else (last.after if last and last.phase == phase else 0)
-        segments.append(
-            Segment(
-                label=label,
-                unit=unit,
-                phase=phase,
-                after=after,
-                start=now,
-                start_grads=g,
-                start_hidden=h,
-            )
+        seg = Segment(
+            label=label,
+            unit=unit,
+            phase=phase,
+            after=after,
+            start=now,
+            start_grads=g,
+            start_hidden=h,
         )
-        segments[-1].peak, segments[-1].peak_grads, segments[-1].peak_hidden = now, g, h
+        seg.peak, seg.peak_grads, seg.peak_hidden = now, g, h
+        self.segments.append(seg)
 
-    def on_op(t: LiveTensorBytes) -> None:
-        seg = segments[-1]
-        now = live()
+    def _on_op(self, t: LiveTensorBytes) -> None:
+        seg = self.segments[-1]
+        now = self._live()
         if now > seg.peak:
-            seg.peak, seg.peak_grads, seg.peak_hidden = now, grads(), hidden()
+            seg.peak, seg.peak_grads, seg.peak_hidden = now, self._grads(), self._hidden()
 
-    def reduce_point() -> None:
-        seg = segments[-1]
-        on_op(tracker)
-        seg.reduce_at, seg.reduce_grads, seg.reduce_hidden = live(), grads(), hidden()
+    def _reduce_point(self) -> None:
+        seg = self.segments[-1]
+        self._on_op(self.tracker)
+        seg.reduce_at, seg.reduce_grads, seg.reduce_hidden = (
+            self._live(),
+            self._grads(),
+            self._hidden(),
+        )
 
-    def accumulated(p: torch.Tensor) -> None:
-        i = owner[id(p)]
-        tracker.set_category(p.grad, "grad")  # type: ignore[arg-type]
-        pending[i] -= 1
-        if pending[i] == 0 and i != 0:  # the unit's gradients are all here: reduce and free
-            reduce_point()
-            for q in by_unit[i]:
+    def _accumulated(self, p: torch.Tensor) -> None:
+        i = self.owner[id(p)]
+        self.tracker.set_category(p.grad, "grad")  # type: ignore[arg-type]
+        self.pending[i] -= 1
+        if self.pending[i] == 0 and i != 0:  # the unit's gradients are all here: reduce, free
+            self._reduce_point()
+            for q in self.by_unit[i]:
                 q.grad = None
-            begin("backward root", 0, "backward")
+            self._begin("backward root", 0, "backward")
 
-    def enter(label: str, unit: int, phase: str) -> Callable[..., None]:
+    def _enter(self, label: str, unit: int, phase: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            begin(label, unit, phase)
+            self._begin(label, unit, phase)
 
         return hook
 
-    handles: list[Any] = []
-    for i, (name, mod) in enumerate(named):
-        if i == 0:
-            continue
-        handles.append(mod.register_forward_pre_hook(enter(f"forward {name}", i, "forward")))
-        handles.append(mod.register_forward_hook(enter("forward root", 0, "forward")))
-        handles.append(
-            mod.register_full_backward_pre_hook(enter(f"backward {name}", i, "backward"))
-        )
-    for p in params:
-        handles.append(p.register_post_accumulate_grad_hook(accumulated))
-    blocks = [m for _, m in named[1:]]
-    try:
-        with tracker, cost, checkpointed(blocks, spec.ac_mode):
-            tracker.track(params, "param")
-            tracker.on_op = on_op
-            begin("forward root", 0, "forward")
-            logits = _logits(model(x))
-            begin("loss", -1, "forward")
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-            del logits
-            begin("backward root", 0, "backward")
-            loss.backward()
-            del loss
-            reduce_point()
-            close()
-    finally:
-        for h in handles:
-            h.remove()
-    return segments
+    def _hooks(self) -> list[Any]:
+        handles: list[Any] = []
+        for i, (name, mod) in enumerate(self.named):
+            if i == 0:
+                continue
+            handles.append(
+                mod.register_forward_pre_hook(self._enter(f"forward {name}", i, "forward"))
+            )
+            handles.append(mod.register_forward_hook(self._enter("forward root", 0, "forward")))
+            handles.append(
+                mod.register_full_backward_pre_hook(self._enter(f"backward {name}", i, "backward"))
+            )
+        for p in self.params:
+            handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        return handles
+
+    def run(self, x: torch.Tensor, y: torch.Tensor) -> list[Segment]:
+        handles = self._hooks()
+        blocks = [m for _, m in self.named[1:]]
+        try:
+            with self.tracker, self.cost, checkpointed(blocks, self.spec.ac_mode):
+                self.tracker.track(self.params, "param")
+                self.tracker.on_op = self._on_op
+                self._begin("forward root", 0, "forward")
+                logits = _logits(self.model(x))
+                self._begin("loss", -1, "forward")
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+                del logits
+                self._begin("backward root", 0, "backward")
+                loss.backward()
+                del loss
+                self._reduce_point()
+                self._close()
+        finally:
+            for h in handles:
+                h.remove()
+        return self.segments
 
 
 # ---- the timeline ----------------------------------------------------------------------------
