@@ -48,7 +48,7 @@ MODES = {
     "fullshard": ("fullshard", True),
     "fs-dtensor-step": ("fullshard", False),
     "fs-rs2": ("fullshard", True),  # set_reduce_scatter_max_input_buffers(2)
-    "fs-no-lend": ("fullshard", True),  # pool.lends = False once lazy init made the pool
+    "fs-no-lend": ("fullshard", True),  # host.lends = False once lazy init made the pool
     "fsdp2": ("fsdp2", True),
     "ddp": ("ddp", True),
 }
@@ -85,7 +85,7 @@ def interleaved_rank(
             t0 = time.perf_counter()
             logits = nets[m](x)
             if step == 0 and m == "fs-no-lend":  # before the first backward plans any slab
-                nets[m].__dict__[STATE_ATTR]._context().comm.pool.lends = False
+                nets[m].__dict__[STATE_ATTR]._context().host.lends = False
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
             loss.backward()
             opts[m].step()

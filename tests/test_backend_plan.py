@@ -58,10 +58,10 @@ def test_plans_per_device_and_backend() -> None:
     cpu = BackendPlan.choose("cpu", "gloo")
     assert cpu.pieces and cpu.p2p_collectives and cpu.window_bytes == SMALL_UNIT_WINDOW_BYTES
     # recycling needs UntypedStorage._swap_data_ptr_ (torch 2.12): off on older torch
-    assert cpu.buffer_pool == cpu.grad_slabs == STORAGE_SWAP and not cpu.streams
+    assert cpu.buffer_pool == cpu.grad_slabs == STORAGE_SWAP
     cuda = BackendPlan.choose("cuda", "nccl")  # the plain path: FSDP2's
     assert (cuda.pieces, cuda.p2p_collectives, cuda.window_bytes) == (False, False, 0)
-    assert (cuda.buffer_pool, cuda.grad_slabs, cuda.streams) == (False, False, True)
+    assert (cuda.buffer_pool, cuda.grad_slabs) == (False, False)
     assert cuda.algorithm("all_gather", 2, 1 << 30) == "all_gather"
     assert cpu.algorithm("all_gather", 2, 1 << 30) == "p2p"
     assert cpu.algorithm("reduce_scatter", 4, 1 << 30) == "all_reduce"
@@ -111,7 +111,8 @@ def _observe(model: nn.Module, step_fn: Any) -> dict[str, Any]:
         "recycled": ("unshard_alloc", "recycled") in events or ("gather_issue", "reused") in events,
         "p2p": any(a in ("p2p", "all_reduce") for _, a in algos),
         "window": ctx.order.window_bytes,
-        "slabs": ctx.comm.pool.slabs_started,
+        "slabs": ctx.host.pool.slabs_started if ctx.host and ctx.host.pool else 0,
+        "host": ctx.host is not None,  # [Note: the host strategy]: None is the core alone
     }
 
 
@@ -128,7 +129,7 @@ def _big_step(model: nn.Module, step: int) -> torch.Tensor:
 
 def _runs() -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
     out = {}
-    for off in [(), *((c,) for c in CPU_CHOICES), ("small_unit_window",)]:
+    for off in [(), *((c,) for c in CPU_CHOICES), CPU_CHOICES]:
         policy = CommPolicy(cpu_fast_paths_off=off)
         out[("small", off)] = _observe(shard_net(make_net(), comm_policy=policy), _small_step)
         big = _Big()
@@ -178,3 +179,7 @@ def test_each_cpu_choice_switched_off_trains_the_same() -> None:
     for model in ("small", "big"):
         assert runs[(model, ("grad_slabs",))]["slabs"] == 0
         assert runs[(model, ("buffer_pool",))]["slabs"] == 0
+        # all of them off: no host strategy at all, the core alone ([Note: the host strategy])
+        core = runs[(model, CPU_CHOICES)]
+        assert core["host"] is False and on_small["host"] is True
+        assert not (core["pieces"] or core["recycled"] or core["p2p"] or core["window"])

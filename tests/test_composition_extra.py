@@ -246,7 +246,8 @@ def _cases() -> dict:
         # Every unit gathers in forward and again in backward, as the byte counts below
         # assume: no unit takes back its pooled memory instead ([Note: taking back a unit's own
         # gathered memory]; units with the extension never do).
-        _all_states(net)[0].ctx.comm.pool.enabled = False
+        host = _all_states(net)[0].ctx.host
+        host.pool, host.lends = None, False
         with count_collectives() as stats:  # one forward + backward: bytes per wire dtype
             net(batch(0)[0][:2]).sum().backward()
         net.zero_grad()

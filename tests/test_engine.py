@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import CommPolicy, FSDPModule, MixedPrecisionPolicy, count_collectives, fully_shard
 from fullshard.api import _all_states
+from fullshard.engine.backend import CPU_CHOICES
 from fullshard.engine.compat import STORAGE_SWAP
 from fullshard.engine.events import record_events
 from fullshard.testing import run_distributed
@@ -43,13 +44,21 @@ CASES = [
 ]
 
 
-TRANSPORTS = ("auto", "packed", "p2p")
+TRANSPORTS = ("auto", "packed", "p2p", "core")
 
 
 def _transports(world: int) -> tuple[str, ...]:
-    """World 1 communicates nothing (one transport); for this model's tiny units ``auto``
-    picks ``packed`` (checked on 2 ranks), so 3 and 4 ranks run the two real ones."""
-    return {1: ("auto",), 2: TRANSPORTS}.get(world, ("packed", "p2p"))
+    """World 1 communicates nothing (one transport, and the core); for this model's tiny
+    units ``auto`` picks ``packed`` (checked on 2 ranks), so 3 and 4 ranks run the two real
+    ones. ``core``: packed with every CPU special case off, so the root has no host strategy
+    and runs the core alone, FSDP2's path ([Note: the host strategy] in fullshard.engine.host)."""
+    return {1: ("auto", "core"), 2: TRANSPORTS}.get(world, ("packed", "p2p", "core"))
+
+
+def _policy(transport: str) -> CommPolicy:
+    if transport == "core":
+        return CommPolicy(transport="packed", cpu_fast_paths_off=CPU_CHOICES)
+    return CommPolicy(transport=transport)
 
 
 def _run_cases() -> dict[tuple[str, str], tuple[list[float], dict[str, torch.Tensor], list]]:
@@ -57,7 +66,7 @@ def _run_cases() -> dict[tuple[str, str], tuple[list[float], dict[str, torch.Ten
     world = dist.get_world_size()
     results = {}
     for transport in _transports(world):
-        policy = CommPolicy(transport=transport)
+        policy = _policy(transport)
         for name, model_kwargs, shard_kwargs, micro, worlds in CASES:
             if world not in worlds:
                 continue
@@ -92,7 +101,14 @@ def _run_cases() -> dict[tuple[str, str], tuple[list[float], dict[str, torch.Ten
             results[(name, transport)] = (
                 losses,
                 full_state(model),
-                [counts, leftover, algos, paths, reuses],
+                [
+                    counts,
+                    leftover,
+                    algos,
+                    paths,
+                    reuses,
+                    _all_states(model)[0].ctx.host is not None,
+                ],
             )
     return results
 
@@ -104,7 +120,7 @@ def _expected_paths(name: str, transport: str, world: int) -> set[tuple[str, str
     rank every unit is ``local`` (its unsharded parameters alias the shards)."""
     if world == 1:
         return {("gather_issue", "local"), ("reduce_issue", "local")}
-    if transport in ("packed", "auto"):
+    if transport in ("packed", "auto", "core"):
         return {("gather_issue", "packed"), ("reduce_issue", "packed")}
     paths = {("gather_issue", "pieces"), ("reduce_issue", "pieces")}
     if name.startswith("raf_2"):  # backward regathers the kept copy: always packed
@@ -158,7 +174,7 @@ def test_parity_and_counts(world: int, references) -> None:
     expected_keys = {(c[0], t) for c in CASES if world in c[4] for t in _transports(world)}
     assert set(ours) == expected_keys
     for (name, transport), (losses, state, extra) in ours.items():
-        counts, leftover, algos, paths, reuses = extra
+        counts, leftover, algos, paths, reuses, has_host = extra
         case = f"{name} transport={transport} world={world}"
         ref_losses, ref_state = references[name]
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -172,7 +188,9 @@ def test_parity_and_counts(world: int, references) -> None:
             assert sorted(step_counts) == sorted(expected), case
         # the last block (and, resharded after forward, the root) regather in backward from
         # their own pooled memory; an int reshard_after_forward keeps a copy instead
-        if STORAGE_SWAP and world > 1 and not name.startswith(("raf_false", "raf_2")):
+        assert has_host == (transport != "core"), f"{case}: host strategy {has_host}"
+        core = transport == "core"
+        if STORAGE_SWAP and world > 1 and not core and not name.startswith(("raf_false", "raf_2")):
             assert all(r >= micro for r in reuses), f"{case}: reused gathers {reuses}"
         else:
             assert reuses == [0] * STEPS, f"{case}: reused gathers {reuses}"
@@ -185,6 +203,8 @@ def test_parity_and_counts(world: int, references) -> None:
             small = "p2p" if size == 2 else "all_gather" if kind == "all_gather" else "all_reduce"
             pieces = transport == "p2p" and not (name.startswith("raf_2") and size == 2)
             want = {"p2p"} if pieces else {small}
+            if core:  # no p2p collectives: gloo's own, as FSDP2 issues them
+                want = {kind}
             if transport == "p2p" and name.startswith("raf_2") and kind == "all_gather":
                 want = {"p2p", small}  # forward in pieces, backward from the packed kept copy
             assert algo in want, f"{case}: {kind}/{size} ran {algo}"

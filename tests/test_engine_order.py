@@ -82,7 +82,7 @@ def _order(transport: str, explicit: bool) -> dict[str, object]:
         ]
     if not explicit:  # the previous forward's order says blocks.2 comes two after blocks.0
         out["blocks.0 backward gather gathers"] = ("blocks.0", "reused") not in issues
-    out["nothing pooled after the step"] = model.__dict__[STATE_ATTR].ctx.comm.pool.nbytes == 0
+    out["nothing pooled after the step"] = model.__dict__[STATE_ATTR].ctx.host.pool.nbytes == 0
     return out
 
 
@@ -224,7 +224,9 @@ def _stale_copies() -> dict[str, object]:
         model = shard_net(make_net())
         loss_fn(model(x), y).backward()  # lazy init; the pool exists from here on
         model.zero_grad()
-        model.__dict__[STATE_ATTR].ctx.comm.pool.enabled = pool
+        if not pool:  # the host strategy without its pool: every buffer freed, every gather
+            host = model.__dict__[STATE_ATTR].ctx.host
+            host.pool, host.lends = None, False
         block = model.blocks[2]
         if change == "unsharded":  # writes into the gathered parameter during forward
             block.register_forward_pre_hook(_clamp_weight)  # after the unit's own (gather)
@@ -279,7 +281,7 @@ def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
 
     forward_backward(0)  # lazy init: the pool exists from here on
     ctx = model.__dict__[STATE_ATTR].ctx
-    ctx.comm.pool.lends = lends
+    ctx.host.lends = lends
     # Lending serves the default one-unit prefetch; these tiny blocks would otherwise all be
     # gathered ahead at once ([Note: a window for small units] in fullshard.engine.order).
     ctx.order.window_bytes = ctx.reduce_window_bytes = 0
@@ -312,7 +314,7 @@ def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
     opt.step()
     out["params"] = [p.full_tensor() for p in model.parameters()]
     opt.zero_grad()
-    pool = model.__dict__[STATE_ATTR].ctx.comm.pool
+    pool = model.__dict__[STATE_ATTR].ctx.host.pool
     before = pool.slabs_started
     model.set_requires_gradient_sync(False)  # nothing is reduced: nothing may be lent
     forward_backward(0)

@@ -1,6 +1,7 @@
 """Stream order, checked on the CPU ([Note: checking stream order on the CPU] in
 fullshard.engine.streamcheck): the whole engine parity matrix runs under the checker with no
-unordered access, and removing any one of the engine's waits makes the checker fail."""
+unordered access (that removing any stream call of the engine makes a checked case fail is
+``tests/test_stream_mutations.py``)."""
 
 from __future__ import annotations
 
@@ -8,35 +9,10 @@ from typing import Any
 
 import pytest
 
-from fullshard.engine import collectives as C
-from fullshard.engine.param import ShardedParam
 from fullshard.engine.streamcheck import COMPUTE, check_streams
-from fullshard.engine.streams import CommStreams
 from fullshard.testing import run_distributed
 from parity import make_net, make_optimizer, shard_net, sharded_step
 from test_engine import _run_cases
-
-# the cases each mutation runs under the checker: the parity model with either transport, and
-# under CPU offload (whose gradient copies run on the offload stream while a checker records,
-# [Note: the offload copy on the CPU] in fullshard.engine.streams), the second step of each
-# backward pass adding into the gradients the first left
-CASES = ("packed", "p2p", "offload", "offload_accumulate")
-OFFLOAD = ("offload", "offload_accumulate")
-
-# the engine's waits, each removable on its own, and the cases that must notice: rule 1 (a side
-# stream waits for the compute stream), rule 2 (the compute stream waits for a collective), the
-# host's wait for its gradient copies (at the end of backward), and the wait before a gradient
-# that arrives is read at once (added into; ``reads_grad_on_arrival`` answering no)
-MUTATIONS: dict[str, tuple[type, str, tuple[str, ...]]] = {
-    "side stream waits for compute": (CommStreams, "_side_waits_current", CASES),
-    "compute waits for the collective": (C.Handle, "_order_after", CASES),
-    "the host waits for its gradient copies": (CommStreams, "wait_host_copies", OFFLOAD),
-    "a gradient added into waits for its copy": (
-        ShardedParam,
-        "reads_grad_on_arrival",
-        ("offload_accumulate",),
-    ),
-}
 
 
 def _matrix_checked() -> dict[str, Any]:
@@ -51,50 +27,6 @@ def _matrix_checked() -> dict[str, Any]:
     }
 
 
-def _accumulating_step(model: Any, opt: Any, step: int) -> None:
-    """Two backward passes with gradient sync on, then the optimizer: the second pass's
-    reduced shards are added into the gradients the first one left."""
-    from parity import batch, loss_fn
-
-    for i in range(2):
-        x, y = batch(step * 2 + i)
-        loss_fn(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _mutated(name: str | None) -> dict[str, Any]:
-    """Two training steps of the parity model per case with one wait removed (``None``: none)."""
-    from fullshard import CommPolicy, CPUOffloadPolicy
-
-    saved = None
-    if name is not None:
-        owner, attr, _ = MUTATIONS[name]
-        saved = getattr(owner, attr)
-        setattr(owner, attr, lambda *a, **k: None)
-    try:
-        out: dict[str, Any] = {}
-        for case in CASES:
-            kwargs: dict[str, Any] = {}
-            if case in OFFLOAD:
-                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-            transport = "p2p" if case == "p2p" else "packed"
-            model = shard_net(make_net(), comm_policy=CommPolicy(transport=transport), **kwargs)
-            opt = make_optimizer(model)
-            with check_streams() as checker:
-                for step in range(2):
-                    if case == "offload_accumulate":
-                        _accumulating_step(model, opt, step)
-                    else:
-                        sharded_step(model, opt, step)
-            out[case] = checker.violations[:3]
-        return out
-    finally:
-        if saved is not None:
-            owner, attr, _ = MUTATIONS[name]  # type: ignore[index]
-            setattr(owner, attr, saved)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_parity_matrix_runs_in_stream_order(world: int) -> None:
     for r in run_distributed(_matrix_checked, world, timeout=900):
@@ -102,15 +34,6 @@ def test_parity_matrix_runs_in_stream_order(world: int) -> None:
         assert r["accesses"] > 1000, r["accesses"]
         assert {COMPUTE, "gather", "reduce"} <= set(r["streams"]), r["streams"]
         assert r["count"] == 0, f"{r['count']} unordered accesses, e.g. {r['violations']}"
-
-
-def test_every_wait_is_needed() -> None:
-    names: list[str | None] = [None, *MUTATIONS]
-    results = {name: run_distributed(_mutated, 2, name, timeout=300)[0] for name in names}
-    assert results[None] == {case: [] for case in CASES}, results[None]
-    for name, (_, _, cases) in MUTATIONS.items():
-        for case in cases:
-            assert results[name][case], f"removing '{name}' went unnoticed ({case})"
 
 
 def _two_steps_checked(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:

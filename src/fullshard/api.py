@@ -363,6 +363,6 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             f"share_comm_ctx must be called before the first forward; these roots already ran "
             f"one: {started}"
         )
-    shared = CommStreams(states[0].group.device, states[0].group.comm.plan)
+    shared = CommStreams(states[0].group.device)
     for st in states:
         st.shared_streams = shared

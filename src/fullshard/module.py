@@ -279,6 +279,7 @@ class FSDPModule(_TorchFSDPModule):
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         for st in self._states(True):
             st.group.overrides.gradient_divide_factor = float(factor)
+            st.group.settings_changed()  # fp16's split division packs the reduction
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated FSDP2 name of :meth:`set_gradient_divide_factor`."""
@@ -455,6 +456,7 @@ class FSDPModule(_TorchFSDPModule):
         state = _state(cast(nn.Module, self))
         _check_collectives(state, "set_custom_all_gather")
         state.group.overrides.all_gather = comm
+        state.group.settings_changed()
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
         """Run this unit's gradient reduce-scatters through ``comm`` (torch's
@@ -466,6 +468,7 @@ class FSDPModule(_TorchFSDPModule):
         state = _state(cast(nn.Module, self))
         _check_collectives(state, "set_custom_reduce_scatter")
         state.group.overrides.reduce_scatter = comm
+        state.group.settings_changed()
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate this unit's communication buffers (all-gather output, reduce-scatter input

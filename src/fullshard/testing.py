@@ -77,6 +77,47 @@ def _child(
             dist.destroy_process_group()
 
 
+def _collect(
+    fn: Callable[..., Any], procs: list[Any], results: Any, timeout: float
+) -> tuple[dict[int, Any], dict[int, str]]:
+    """Each rank's result or error, as they arrive; a rank that died without reporting is an
+    error, and after the first error the others get 10 s more (they are usually stuck in a
+    collective with it)."""
+    world_size = len(procs)
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            pending = sorted(set(range(world_size)) - set(outputs) - set(errors))
+            raise ChildFailed(
+                f"{getattr(fn, '__name__', fn)} timed out after {timeout:.0f}s; "
+                f"ranks still running: {pending}" + _format_errors(errors)
+            )
+        try:
+            rank, status, payload = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if not p.is_alive()
+                and p.exitcode not in (0, None)
+                and r not in outputs
+                and r not in errors
+            ]
+            for r in dead:
+                errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+            continue
+        if status == "ok":
+            outputs[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
+            # One rank failing usually leaves the others stuck in a collective: stop early.
+            deadline = min(deadline, time.monotonic() + 10.0)
+    return outputs, errors
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -125,38 +166,8 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    outputs: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(outputs) + len(errors) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                pending = sorted(set(range(world_size)) - set(outputs) - set(errors))
-                raise ChildFailed(
-                    f"{getattr(fn, '__name__', fn)} timed out after {timeout:.0f}s; "
-                    f"ranks still running: {pending}" + _format_errors(errors)
-                )
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if not p.is_alive()
-                    and p.exitcode not in (0, None)
-                    and r not in outputs
-                    and r not in errors
-                ]
-                for r in dead:
-                    errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
-                continue
-            if status == "ok":
-                outputs[rank] = pickle.loads(payload)
-            else:
-                errors[rank] = payload
-                # One rank failing usually leaves the others stuck in a collective: stop early.
-                deadline = min(deadline, time.monotonic() + 10.0)
+        outputs, errors = _collect(fn, procs, results, timeout)
         __tracebackhide__ = True  # pytest: show the child's traceback, not this loop
         if errors:
             raise ChildFailed(f"{getattr(fn, '__name__', fn)} failed" + _format_errors(errors))

@@ -202,6 +202,28 @@ def _meter(mode: str, trainee: Trainee) -> Any:
     return None
 
 
+def _comm_per_step(meter: Any, trainee: Any, mode: str, timed: int) -> dict[str, Any] | None:
+    """The metered traffic per timed step and where it was read from (``None``: unmetered)."""
+    if meter is not None:
+        meter.uninstall()
+        comm: dict[str, Any] = meter.snapshot()
+        comm["calls"] = {k: v / timed for k, v in comm["calls"].items()}
+        comm["bytes"] = {k: v / timed for k, v in comm["bytes"].items()}
+        comm["blocked_s"] = comm["blocked_s"] / timed
+        comm["source"] = (
+            "fullshard.count_collectives"
+            if isinstance(meter, _EngineMeter)
+            else "torch.distributed wrappers"
+            + (" and the engine's bound collectives" if trainee.peer is not None else "")
+        )
+        return comm
+    if mode == "ddp":
+        comm = ddp_comm_per_step(trainee.forward)
+        comm["source"] = "DDP reducer buckets"
+        return comm
+    return None
+
+
 def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[str, Any]:
     """Train ``cfg.steps`` steps under ``mode`` on this rank; return timings, losses, memory, comm.
 
@@ -239,7 +261,6 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
 
     times: list[float] = []
     losses: list[float] = []
-    comm: dict[str, Any] | None = None
     for step in range(cfg.steps):
         if step == cfg.warmup and meter is not None:
             meter.reset()
@@ -256,21 +277,7 @@ def run_rank(cfg_dict: dict[str, Any], mode: str, ref_world: int = 1) -> dict[st
         losses.append(step_loss)
     timed = cfg.steps - cfg.warmup
     peak_rss = peak_rss_bytes()
-    if meter is not None:
-        meter.uninstall()
-        comm = meter.snapshot()
-        comm["calls"] = {k: v / timed for k, v in comm["calls"].items()}
-        comm["bytes"] = {k: v / timed for k, v in comm["bytes"].items()}
-        comm["blocked_s"] = comm["blocked_s"] / timed
-        comm["source"] = (
-            "fullshard.count_collectives"
-            if isinstance(meter, _EngineMeter)
-            else "torch.distributed wrappers"
-            + (" and the engine's bound collectives" if trainee.peer is not None else "")
-        )
-    elif mode == "ddp":
-        comm = ddp_comm_per_step(trainee.forward)
-        comm["source"] = "DDP reducer buckets"
+    comm = _comm_per_step(meter, trainee, mode, timed)
     return {
         "rank": rank,
         "world_size": world,

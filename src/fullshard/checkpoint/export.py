@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,34 @@ def refuse_overwrite(out: Path, force: bool) -> None:
         raise CheckpointError(
             f"{out} already exists; pass --force to overwrite it, or pick another output"
         )
+
+
+_Item = tuple[str, TensorRecord, str]  # (name in the file, record, stored name)
+
+
+def _split(
+    items: list[_Item], nbytes: Callable[[TensorRecord], int], max_shard_size: int
+) -> list[list[_Item]]:
+    """``items`` in order, cut into files of at most ``max_shard_size`` bytes (a larger
+    tensor gets a file of its own)."""
+    groups: list[list[_Item]] = [[]]
+    size = 0
+    for item in items:
+        n = nbytes(item[1])
+        if groups[-1] and size + n > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    return groups
+
+
+def _shard_names(out: Path, n: int) -> list[Path]:
+    """``out`` itself, or Hugging Face's ``-0000i-of-0000n`` names beside it."""
+    if n == 1:
+        return [out]
+    stem = out.name.removesuffix(".safetensors")
+    return [out.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
 
 
 def export(
@@ -81,23 +110,8 @@ def export(
     def out_bytes(rec: TensorRecord) -> int:
         return rec.nbytes // rec.dtype.itemsize * out_dtype(rec).itemsize
 
-    groups: list[list[tuple[str, TensorRecord, str]]] = [[]]
-    size = 0
-    for item in items:
-        n = out_bytes(item[1])
-        if groups[-1] and size + n > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
-    if len(groups) == 1:
-        names = [out]
-    else:
-        stem = out.name.removesuffix(".safetensors")
-        names = [
-            out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
-            for i in range(len(groups))
-        ]
+    groups = _split(items, out_bytes, max_shard_size)
+    names = _shard_names(out, len(groups))
     for name in m.files:  # sizes, header checksums, dtypes, shapes: fail before writing
         reader.check_file(name)
     # Two buffers reused for every tensor (read, and cast when --dtype changes it): allocating

@@ -21,6 +21,10 @@ measured special cases are plan choices, each of which can be switched off on it
 - ``grad_slabs``: gradient memory is lent to the next forward's gathers ([Note: gradient
   memory lent for the next forward]; needs ``buffer_pool``).
 
+The first two are transports, chosen once per unit at lazy init; the last three are the root's
+host strategy ([Note: the host strategy] in ``fullshard.engine.host``), which is absent (the
+core alone, FSDP2's path) on CUDA and where all three are off.
+
 Lazy init chooses the root's plan (:meth:`BackendPlan.for_group`); every unit below it, the
 step context, the pool and the collectives ask it, and no other module tests the device type
 or the backend to make a speed decision. The memory planner models the same plan.
@@ -86,7 +90,6 @@ class BackendPlan:
     window_bytes: int = 0
     buffer_pool: bool = False
     grad_slabs: bool = False
-    streams: bool = False
 
     @staticmethod
     def choose(device_type: str, backend: str, off: Iterable[str] = ()) -> BackendPlan:
@@ -170,5 +173,4 @@ def _choose(device_type: str, backend: str, off: frozenset[str]) -> BackendPlan:
         window_bytes=SMALL_UNIT_WINDOW_BYTES if cpu and "small_unit_window" not in off else 0,
         buffer_pool=pool,
         grad_slabs=pool and STORAGE_USE_COUNT and "grad_slabs" not in off,
-        streams=device_type == "cuda",
     )

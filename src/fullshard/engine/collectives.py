@@ -23,15 +23,8 @@ Byte accounting ("bytes on the wire" as the ZeRO papers count them): an all-gath
 full output, a reduce-scatter its full input, an all-reduce its tensor. With this convention
 ZeRO-3 moves 3 x parameter bytes per step (two all-gathers and one reduce-scatter).
 
-[Note: collectives under torch's tools]
-torch's ``CommDebugMode`` counts the c10d collectives it sees dispatched; a p2p exchange, a
-unit that takes back its own gathered memory instead of gathering again, or an all-reduce
-standing for a reduce-scatter would show it counts that differ from FSDP2's. While one is
-active on this thread (:func:`watched_by_torch_tools`), the engine runs the collectives FSDP2
-runs: one packed all-gather per unit gather, one reduce-scatter per unit reduction (plus the
-all-reduce across replicas), so the tool's counts, and a profiler trace's
-``record_param_comms`` ranges, are FSDP2's. Results are the same bit for bit on either path;
-only speed differs. Every rank must enter the tool alike (as any SPMD code).
+What torch's ``CommDebugMode`` and profiler see of these is [Note: collectives under torch's
+tools] in ``fullshard.engine.observed``: the same path runs whether or not they watch.
 
 A group of size 1 issues nothing: all-gather and reduce-scatter become local copies and the
 all-reduce a no-op, so world size 1 runs the same code path without communication.
@@ -39,6 +32,7 @@ all-reduce a no-op, so world size 1 runs the same code path without communicatio
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable
@@ -46,8 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .backend import BackendPlan
 from .compat import all_gather_single, reduce_scatter_single
@@ -59,6 +51,7 @@ from .handle import (
     count_collectives,
     record,
 )
+from .observed import as_logical, report
 
 __all__ = [
     "CollectiveError",
@@ -69,18 +62,9 @@ __all__ = [
     "all_reduce",
     "count_collectives",
     "reduce_scatter",
-    "watched_by_torch_tools",
 ]
 
 ProcessGroup = dist.ProcessGroup
-
-
-def watched_by_torch_tools() -> bool:
-    """Whether torch's ``CommDebugMode`` is active on this thread: then the engine runs
-    FSDP2's collectives (see [Note: collectives under torch's tools])."""
-    if not torch._C._len_torch_dispatch_stack():  # no mode at all: the common case
-        return False
-    return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _issue(kind: str, *args: Any, **kwargs: Any) -> Any:
@@ -199,17 +183,26 @@ def _algorithm(
 ) -> str:
     """The call that implements ``kind`` on an ``nbytes`` buffer: ``requested`` unless it is
     ``"auto"``, which asks the backend plan (``plan``, else the group's default one; see
-    :meth:`fullshard.engine.backend.BackendPlan.algorithm`). While torch's ``CommDebugMode``
-    watches, the collective itself ([Note: collectives under torch's tools])."""
+    :meth:`fullshard.engine.backend.BackendPlan.algorithm`), a pure function of the buffer."""
     known = ("auto", kind, "p2p", *(("all_reduce",) if kind == "reduce_scatter" else ()))
     if requested not in known:
         raise ValueError(f"{kind}: unknown algorithm {requested!r}; choose from {known}")
     if requested != "auto":
         return requested
-    if watched_by_torch_tools():
-        return kind
     plan = plan or BackendPlan.for_group(group, device)
     return plan.algorithm(kind, dist.get_world_size(group), nbytes)
+
+
+def _device_of(args: tuple[Any, ...]) -> torch.device:
+    """The device of the first tensor in a collective's arguments (nested lists included)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+        if isinstance(arg, (list, tuple)):
+            found = _device_of(tuple(arg))
+            if found.type != "meta":
+                return found
+    return torch.device("meta")  # no tensor: nothing to order
 
 
 def _start(
@@ -229,7 +222,7 @@ def _start(
         work = _issue(call, *args, async_op=async_op, **kwargs)
     except RuntimeError as e:
         raise CollectiveError(context, time.perf_counter() - start, e) from e
-    handle = Handle(work, then=then, context=context)
+    handle = Handle(work, _device_of(args), then=then, context=context)
     if not async_op:
         handle.wait()
     return handle
@@ -276,7 +269,7 @@ def all_gather(
     """
     size = _local_or_size("all_gather", output, input, group, output_is_full=True)
     if size == 1:
-        return Handle(None, keep=(output, input))
+        return Handle(None, output.device, keep=(output, input))
     assert group is not None
     if comm is not None:
         record("all_gather", output, size, "custom")
@@ -303,6 +296,7 @@ def _gather_p2p(
     """Send this rank's ``pieces`` to every peer and receive theirs into their ``pieces``."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     sends = [pieces[me]] * size
+    report("all_gather")  # [Note: collectives under torch's tools]
     return _start("all_gather", "p2p", what, size, sends, pieces, group=group, async_op=async_op)
 
 
@@ -328,7 +322,7 @@ def all_gather_pieces(
             f"{[len(p) for p in pieces]}"
         )
     if size == 1:
-        return Handle(None)
+        return Handle(None, pieces[0][0].device)
     assert group is not None
     me = dist.get_rank(group)
     record("all_gather", pieces[me][0], size, "p2p", nbytes=nbytes)
@@ -359,7 +353,7 @@ def reduce_scatter(
     """
     size = _local_or_size("reduce_scatter", output, input, group, output_is_full=False)
     if size == 1:
-        return Handle(None, keep=(output, input))
+        return Handle(None, output.device, keep=(output, input))
     assert group is not None
     if comm is not None:
         record("reduce_scatter", input, size, "custom")
@@ -387,17 +381,19 @@ def reduce_scatter(
     then = None
     if algorithm == "all_reduce":  # reduce the whole buffer in place, keep this rank's row
         tensors, then = (input,), lambda: output.copy_(chunks[me])
-    return _start(
-        "reduce_scatter",
-        algorithm,
-        what,
-        size,
-        *tensors,
-        op=dist.ReduceOp.SUM,
-        group=group,
-        async_op=async_op,
-        then=then,
-    )
+    # the stand-in all-reduce counts as the reduce-scatter ([Note: collectives under torch's tools])
+    with as_logical("reduce_scatter") if algorithm == "all_reduce" else contextlib.nullcontext():
+        return _start(
+            "reduce_scatter",
+            algorithm,
+            what,
+            size,
+            *tensors,
+            op=dist.ReduceOp.SUM,
+            group=group,
+            async_op=async_op,
+            then=then,
+        )
 
 
 def reduce_scatter_pieces(
@@ -427,7 +423,7 @@ def reduce_scatter_pieces(
     if size == 1:
         for out, piece in zip(outputs, pieces[0]):
             out.copy_(piece)
-        return Handle(None, keep=(*outputs, *pieces[0]))
+        return Handle(None, outputs[0].device, keep=(*outputs, *pieces[0]))
     assert group is not None
     record("reduce_scatter", pieces[me][0], size, "p2p", nbytes=nbytes)
     return _reduce_scatter_p2p(pieces, outputs, group, what, True)
@@ -466,6 +462,7 @@ def _reduce_scatter_p2p(
             for peer in peers[1:]:
                 out.add_(recvs[peer][k])
 
+    report("reduce_scatter")  # [Note: collectives under torch's tools]
     return _start(
         "reduce_scatter",
         "p2p",
@@ -490,7 +487,7 @@ def all_reduce(
     """Reduce ``tensor`` in place across the ranks of ``group`` (SUM by default)."""
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
-        return Handle(None)
+        return Handle(None, tensor.device)
     record("all_reduce", tensor, size)
     return _start(
         "all_reduce", "all_reduce", what, size, tensor, op=op, group=group, async_op=async_op

@@ -3,24 +3,25 @@
 A unit's group, its per-dtype and per-mesh child groups, and the root's
 :class:`~fullshard.engine.context.StepContext` all hold the *same* :class:`CommContext`: the
 backend plan ([Note: the backend plan] in ``fullshard.engine.backend``), the side streams
-(``fullshard.engine.streams``) and the buffer pool (``fullshard.engine.pool``). Lazy init
-creates it once per root and binds every group to it; nothing is copied into a group, so a
-choice made on the context (a test switching the pool off, ``share_comm_ctx`` sharing streams
-across roots) is seen by every group at once.
+(``fullshard.engine.streams``) and the host strategy (``fullshard.engine.host``: the CPU's
+special cases; ``None`` on CUDA). Lazy init creates it once per root and binds every group to
+it; nothing is copied into a group, so a choice made on the context (a test switching the
+pool off, ``share_comm_ctx`` sharing streams across roots) is seen by every group at once.
 
 Before lazy init a group holds the device's unbound context: the device's default plan, no
-side streams and a pool that keeps nothing, so a method called on a unit before its first
-forward (``unshard()``) never needs a root.
+side streams and no host strategy, so a method called on a unit before its first forward
+(``unshard()``) never needs a root and runs the core alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .backend import BackendPlan
-from .pool import HostBufferPool
+from .host import HostStrategy
 from .streams import CommStreams
 
 __all__ = ["CommContext"]
@@ -28,23 +29,14 @@ __all__ = ["CommContext"]
 
 @dataclass(eq=False)
 class CommContext:
-    """Backend plan, side streams and buffer pool of one root (see the module docstring)."""
+    """Backend plan, side streams and host strategy of one root (see the module docstring)."""
 
     plan: BackendPlan
     streams: CommStreams
-    pool: HostBufferPool
-
-    @classmethod
-    def for_root(
-        cls, device: torch.device, plan: BackendPlan, streams: CommStreams | None = None
-    ) -> CommContext:
-        """The context lazy init creates for a root (``streams``: ones shared with other roots
-        through ``share_comm_ctx``)."""
-        return cls(plan, streams or CommStreams(device, plan), HostBufferPool(device, plan))
+    host: HostStrategy[Any] | None  # None: the core alone ([Note: the host strategy])
 
     @classmethod
     def unbound(cls, device: torch.device) -> CommContext:
         """What a group holds before lazy init: nothing to share yet, nothing kept."""
         plan = BackendPlan.choose(device.type, "")
-        cpu = BackendPlan.choose("cpu", "")
-        return cls(plan, CommStreams(torch.device("cpu"), cpu), HostBufferPool(device, plan, 0))
+        return cls(plan, CommStreams(torch.device("cpu")), None)

@@ -4,13 +4,13 @@ Created by lazy init (``FSDPState.lazy_init`` in ``fullshard.engine.hooks``) on 
 first forward and shared by every unit below it. It holds:
 
 - ``order``, the step's orders and prefetch windows (:class:`~fullshard.engine.order.StepOrder`);
-- ``comm``, the plan, streams and buffer pool every group of the root references
-  (:class:`~fullshard.engine.comm.CommContext`);
+- ``comm``, the plan, streams and host strategy (the CPU's special cases, ``None`` on CUDA)
+  every group of the root references (:class:`~fullshard.engine.comm.CommContext`);
 - the reductions in flight (at most one by default: a unit finishes the previous unit's
   reduction before issuing its own, so its buffer is freed first; up to the largest
   ``set_reduce_scatter_max_input_buffers`` of the root's units, oldest finished first; on the
-  CPU widened by [Note: a window for small units] in ``fullshard.engine.order``), the
-  gradient slabs they fill, and the end-of-backward callback that completes units whose
+  CPU widened by [Note: a window for small units] in ``fullshard.engine.order``) and the
+  end-of-backward callback that completes units whose
   backward never fired (unused parameters, frozen inputs);
 - the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per set of ranks).
 
@@ -30,6 +30,7 @@ from .backend import BackendPlan
 from .comm import CommContext
 from .events import emit
 from .group import ParamGroup
+from .host import HostStrategy
 from .mesh import MeshInfo, member_group
 from .order import StepOrder
 from .reduce import PendingReduce, lendable_output_nbytes
@@ -66,6 +67,10 @@ def _gathered_nbytes(unit: StepUnit) -> int:
     return unit.group.unsharded_nbytes()
 
 
+def _lendable_nbytes(unit: StepUnit) -> int:
+    return lendable_output_nbytes(unit.group)
+
+
 class StepContext(Generic[U]):
     """Root-level coordination of one model's units (see the module docstring)."""
 
@@ -80,16 +85,16 @@ class StepContext(Generic[U]):
         self.root = root
         self.states = states  # every unit, root first, in module order
         # every backend-dependent choice ([Note: the backend plan]), the side streams
-        # (``streams``: shared with other roots by share_comm_ctx) and the buffer pool
-        self.comm = CommContext.for_root(device, plan, streams)
-        self.order: StepOrder[U] = StepOrder(_gathered_nbytes, plan.window_bytes)
-        # Which units open a gradient slab this step (see _plan_slabs); None: not planned yet.
-        self._slab_plan: dict[U, int] | None = None
+        # (``streams``: shared with other roots by share_comm_ctx) and the CPU's special
+        # cases ([Note: the host strategy] in fullshard.engine.host; None: the core alone)
+        host = HostStrategy.for_plan(device, plan, root, _lendable_nbytes)
+        self.comm = CommContext(plan, streams or CommStreams(device), host)
+        self.order: StepOrder[U] = StepOrder(_gathered_nbytes, host.window_bytes if host else 0)
         self.pending: list[PendingReduce] = []
         # HSDP reductions whose all-reduce across replicas is in flight (see make_room)
         self.replicating: list[PendingReduce] = []
         self.max_pending = 1  # reductions allowed in flight (see update_max_pending)
-        self.reduce_window_bytes = plan.window_bytes  # [Note: a window for small units]
+        self.reduce_window_bytes = self.order.window_bytes  # [Note: a window for small units]
         self.update_max_pending()
         # The backward (autograd graph task) whose end-of-backward callback is queued; None:
         # none queued since the last one ran.
@@ -104,70 +109,29 @@ class StepContext(Generic[U]):
         # the k-rank groups of int reshard_after_forward, by their ranks
         self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
+    @property
+    def host(self) -> HostStrategy[U] | None:
+        """The root's CPU special cases (``None``: the core alone)."""
+        return self.comm.host
+
     def begin_forward(self) -> None:
-        """The root's forward starts: the last forward's order becomes the prefetch plan,
-        and memory freed since waits for the first gathers."""
-        first = self._first_gather_sizes()  # gradient memory set free since may serve them
+        """The root's forward starts: the last forward's order becomes the prefetch plan
+        (memory freed since may serve the first gathers: the host strategy looks first)."""
+        if self.host is not None:
+            self.host.forward_begins(self.order)
         self.order.begin_forward()
-        self._slab_plan = None
-        pool = self.comm.pool
-        pool.clear()  # kept since a forward that had no backward
-        pool.adopt_returned(first)  # [Note: gradient memory lent for the next forward]
+
+    def forward_without_backward(self) -> None:
+        """The root's forward ran without gradients: no backward (nor a gather) comes soon."""
+        if self.host is not None:
+            self.host.forward_without_backward()
+
+    def keeps_after_forward(self, unit: U) -> bool:
+        """Whether ``unit``'s post-forward reshard keeps its memory for a later gather (only
+        with a host strategy)."""
+        return self.host is not None and self.host.keeps_after_forward(self.order, unit)
 
     # -------------------------------------------------------------------------- backward
-    def _first_gather_sizes(self) -> list[int]:
-        """Bytes of the first ``pool.capacity`` units' gathers in the last forward: the next
-        forward's, which allocate before any unit frees memory."""
-        first = self.order.forward[: self.comm.pool.capacity]
-        sizes = (st.group.unsharded_nbytes() for st in first)
-        return [n for n in sizes if n]
-
-    def slab_to_start(self, state: U) -> int:
-        """Bytes of the slab ``state``'s reduction opens for its and the next units' outputs
-        (0: none); see [Note: gradient memory lent for the next forward] in ``fullshard.engine.pool``."""
-        if self._slab_plan is None:
-            self._slab_plan = self._plan_slabs()
-        return self._slab_plan.get(state, 0)
-
-    def _plan_slabs(self) -> dict[U, int]:
-        """Which units open a slab, and of what size.
-
-        The next forward's first gathers (the sizes of the first ``pool.capacity`` units of
-        this forward) allocate before any unit frees memory. Walking the reductions from the
-        last one back, each run of consecutive units whose outputs fill one of those sizes
-        exactly shares a slab, opened by the run's first unit: the units reduced last, so
-        that no output is allocated long before its reduction.
-        """
-        if not self.comm.pool.lends:
-            return {}
-        wanted = self._first_gather_sizes()
-        # Reductions run in reverse post-forward order, except the root's: its gradients
-        # (the embedding's) come last.
-        order = [st for st in reversed(self.order.post_forward) if st is not self.root]
-        if self.order.ran_post_forward(self.root):
-            order.append(self.root)
-        sizes = [lendable_output_nbytes(st.group) for st in order]
-        plan: dict[U, int] = {}
-        end = len(order)
-        while end > 0 and wanted:
-            total, found = 0, -1
-            for start in range(end - 1, -1, -1):
-                if not sizes[start]:
-                    break
-                total += sizes[start]
-                if total in wanted:
-                    found = start
-                    break
-                if total > max(wanted):
-                    break
-            if found < 0:
-                end -= 1
-                continue
-            plan[order[found]] = total
-            wanted.remove(total)
-            end = found
-        return plan
-
     def ensure_end_of_backward_callback(self) -> None:
         """Queue :meth:`finish_backward` on the autograd engine (once per backward).
 
@@ -217,14 +181,17 @@ class StepContext(Generic[U]):
             else:
                 oldest.finish()
 
-    def reduce(self, unit: U, recycle: bool = False, slab: int = 0) -> None:
-        """Issue ``unit``'s reductions (``ParamGroup.reduce_grads``: ``recycle``, ``slab``),
-        first finishing older ones until there is room for them (:meth:`make_room`): how
-        every unit reduces, from its post-backward, the end-of-backward callback or
-        ``finalize_backward``."""
+    def reduce(self, unit: U, post_backward: bool = False) -> None:
+        """Issue ``unit``'s reductions (``ParamGroup.reduce_grads``), first finishing older
+        ones until there is room for them (:meth:`make_room`): how every unit reduces, from
+        its post-backward (``post_backward``: the host strategy may keep or lend its memory),
+        the end-of-backward callback or ``finalize_backward``."""
+        keep, slab = False, 0
+        if post_backward and self.host is not None:
+            keep, slab = self.host.after_backward(self.order, unit)
         group = unit.group
         self.make_room(group.unsharded_nbytes())
-        self.pending.extend(group.reduce_grads(recycle=recycle, slab=slab))
+        self.pending.extend(group.reduce_grads(recycle=keep, slab=slab))
 
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.
@@ -242,8 +209,7 @@ class StepContext(Generic[U]):
             self.end_backward_iteration()
         else:
             self._units_idle()
-            self.comm.pool.clear()
-            self.comm.pool.release_unused_slabs()
+            self._host_backward_ends()
         self.backward_task = None
 
     def end_backward_iteration(self) -> None:
@@ -252,9 +218,12 @@ class StepContext(Generic[U]):
         self.finish_pending()
         self.comm.streams.wait_host_copies()
         self._units_idle()
-        self.comm.pool.clear()  # the optimizer step runs with no pooled memory
-        self.comm.pool.release_unused_slabs()
+        self._host_backward_ends()  # the optimizer step runs with no pooled memory
         self.manual_active = None
+
+    def _host_backward_ends(self) -> None:
+        if self.host is not None:
+            self.host.backward_ends()
 
     def _units_idle(self) -> None:
         """After a backward: each unit resharded per ``reshard_after_backward``, IDLE, and with
@@ -281,8 +250,8 @@ class StepContext(Generic[U]):
             st.reset_forward()
         self.comm.streams.wait_host_copies()
         self.order.clear()
-        self._slab_plan = None
-        self.comm.pool.forget()
+        if self.host is not None:
+            self.host.reset()
         self.backward_task = None
         self.manual_active = None
         self.active_reduction = None  # an outstanding handle's wait() now raises

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from . import collectives as C
 from .events import emit
 from .labels import label
+from .observed import report
 from .overrides import allocate
 from .param import ShardedParam
 from .quant import dequantize_int8, quantize_int8
@@ -92,9 +93,16 @@ class PendingGather:
 
 
 def _allocate(g: GatherUnit, buf: torch.Tensor) -> None:
-    """Give the (resized-to-0) unsharded buffer its storage back: recycled memory when the
-    pool has some ([Note: recycling unsharded buffers] in ``fullshard.engine.pool``)."""
-    how = g.comm.pool.take(buf.untyped_storage(), buf.numel() * buf.element_size())
+    """Give the (resized-to-0) unsharded buffer its storage back: fresh memory, or the
+    host strategy's pooled memory ([Note: the host strategy] in ``fullshard.engine.host``)."""
+    storage, nbytes, host = buf.untyped_storage(), buf.numel() * buf.element_size(), g.comm.host
+    if host is not None:
+        how = host.refill(storage, nbytes)
+    elif storage.nbytes() == nbytes:
+        how = ""
+    else:
+        storage.resize_(nbytes)
+        how = "fresh"
     if how:
         emit("unshard_alloc", g.name, how)
 
@@ -115,21 +123,18 @@ def _offload_event(g: GatherUnit) -> None:
 def start_gather(g: GatherUnit) -> PendingGather:
     """Issue the all-gather of ``g``'s parameters the way its transport says."""
     g.check_materialised()
-    watched = C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
-    if not watched and g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
+    if g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
         buf = g.unsharded_buf
         assert buf is not None
+        if g.world > 1:  # counts as the all-gather it stands for ([Note: collectives under
+            report("all_gather")  # torch's tools] in fullshard.engine.observed)
         # nbytes: what the all-gather would have counted (its full output)
         emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
-        return PendingGather(C.Handle(None), None, None)
+        return PendingGather(C.Handle(None, g.device), None, None)
     _offload_event(g)
-    in_pieces = (
-        not watched
-        and g.transport.gathers_in_pieces
-        and g.overrides.all_gather is None  # a custom all-gather takes packed buffers
-        and g.post_forward_chunk is None
-        and g.wire_gather_dtype() == g.compute_dtype()
-    )
+    # the unit's transport, decided once (ParamGroup._choose_transport); the kept copy of an
+    # int reshard_after_forward is regathered packed within its subgroup
+    in_pieces = g.transport.gathers_in_pieces and g.post_forward_chunk is None
     emit("gather_issue", g.name, "pieces" if in_pieces else "packed")
     with torch.no_grad():
         return _gather_in_pieces(g) if in_pieces else _gather_packed(g)

@@ -12,6 +12,7 @@ on the placement lives in :class:`~fullshard.engine.param.ShardedParam`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,14 @@ from .param import ShardedParam
 from .partition import mesh_name, ranks_of, split_by_dtype, split_by_mesh
 from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
 from .pool import BufferContent
-from .reduce import PartialReduce, PendingReduce, collect_grads, hand_out_local, start_reduce
+from .reduce import (
+    PartialReduce,
+    PendingReduce,
+    collect_grads,
+    grad_division,
+    hand_out_local,
+    start_reduce,
+)
 from .state import ShardedState, transition
 from .streamcheck import freed
 from .transport import Transport, select_transport
@@ -69,7 +77,7 @@ class ParamGroup:
         self.state = ShardedState.SHARDED
         # Chosen at lazy init (init_layout, see fullshard.engine.transport).
         self.transport = Transport(self.comm_policy.transport, False, False)
-        # The root's plan, streams and pool, shared by reference (fullshard.engine.comm); bound
+        # The root's plan, streams and host strategy, shared by reference (fullshard.engine.comm); bound
         # at lazy init.
         self.comm = CommContext.unbound(device)
         # Knobs (set_* methods of FSDPModule); the gradient ones live in ``overrides``, which
@@ -173,15 +181,7 @@ class ParamGroup:
             off += sp.shard_numel
         self.total = off
         dtype = self.compute_dtype()
-        self.transport = select_transport(
-            self.comm_policy.transport,
-            self.comm.plan.backend,
-            self.comm.plan.device_type,
-            self.world,
-            self.world * self.total * dtype.itemsize,
-            aliasable=self._aliasable(),
-            plan=self.comm.plan,
-        )
+        self._choose_transport(self._aliasable())
         if self.transport.local:  # [Note: a shard group of one rank]
             self.unsharded_buf, self._regions = None, []
             self._aliased = [sp.local for sp in self.layout]
@@ -226,6 +226,43 @@ class ParamGroup:
         self.comm = comm
         for child in self.subgroups:
             child.bind(comm)
+
+    def _choose_transport(self, aliasable: bool) -> None:
+        """The unit's one decision of how each direction moves: ``select_transport``'s choice
+        for its size and backend, kept packed where a unit's settings need one buffer (a
+        custom collective takes packed buffers; a wire dtype other than the compute dtype,
+        or an fp16 division split around the reduction, converts the packed buffer). Made at
+        lazy init and again when such a setting changes (:meth:`settings_changed`); a
+        gather or reduction only reads it ([Note: transports] in fullshard.engine.transport)."""
+        t = select_transport(
+            self.comm_policy.transport,
+            self.comm.plan.backend,
+            self.comm.plan.device_type,
+            self.world,
+            self.world * self.total * self.compute_dtype().itemsize,
+            aliasable=aliasable,
+            plan=self.comm.plan,
+        )
+        self.transport = t
+        if t.local or not (t.gathers_in_pieces or t.reduces_in_pieces):
+            return
+        reduce_dtype = self.wire_reduce_dtype()
+        self.transport = replace(
+            t,
+            gathers_in_pieces=t.gathers_in_pieces
+            and self.overrides.all_gather is None
+            and self.wire_gather_dtype() == self.compute_dtype(),
+            reduces_in_pieces=t.reduces_in_pieces
+            and self.overrides.reduce_scatter is None
+            and grad_division(self, reduce_dtype).pre == 1.0,
+        )
+
+    def settings_changed(self) -> None:
+        """A knob the transport depends on changed (custom collectives, the gradient divide
+        factor; ``FSDPModule``'s setters call this): decide again, keeping the layout."""
+        for g in (self, *self.subgroups):
+            if g._layout_key:  # laid out (before that, lazy init decides)
+                g._choose_transport(g.transport.local)
 
     def _aliasable(self) -> bool:
         """Whether this unit's unsharded parameters can be its shards themselves.
@@ -299,9 +336,9 @@ class ParamGroup:
 
     def _release(self, recycle: bool = False, lend: bool = False) -> None:
         """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes; with
-        ``recycle``, its memory goes to the pool for the next gather ([Note: recycling
-        unsharded buffers] in ``fullshard.engine.pool``); with ``lend``, it becomes the slab for the
-        next reduce-scatter outputs ([Note: gradient memory lent for the next forward])."""
+        ``recycle`` or ``lend`` the root's host strategy keeps its memory for the next gather
+        or lends it as the slab for the next reduce-scatter outputs ([Note: the host
+        strategy] in ``fullshard.engine.host``; asked only where there is one)."""
         if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
             return
         if self.keep_unsharded_storage and self.unsharded_buf is not None:
@@ -311,10 +348,11 @@ class ParamGroup:
                 return
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
-            if recycle:
-                self.comm.pool.put(storage, self._content())
-            elif lend and storage.nbytes() == self.unsharded_nbytes():
-                self.comm.pool.start_slab(storage, storage.nbytes())
+            host = self.comm.host
+            if host is not None and recycle:
+                host.keep(storage, self._content())
+            elif host is not None and lend and storage.nbytes() == self.unsharded_nbytes():
+                host.open_slab(storage, storage.nbytes())
             else:
                 freed(storage, f"unit {self.name!r}'s unsharded buffer")
                 storage.resize_(0)
@@ -362,12 +400,10 @@ class ParamGroup:
     def reclaim_gathered(self) -> bool:
         """Take back this unit's own freed memory if it still holds the current gather, in
         place of gathering ([Note: taking back a unit's own gathered memory])."""
-        buf = self.unsharded_buf
-        if buf is None:
+        buf, host = self.unsharded_buf, self.comm.host
+        if buf is None or host is None:
             return False
-        return self.comm.pool.reclaim(
-            buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current
-        )
+        return host.reclaim(buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current)
 
     def check_materialised(self) -> None:
         """Raise FSDP2's error, naming them, if any parameter is still on the meta device."""
@@ -542,8 +578,8 @@ class ParamGroup:
         lend = lend and self.reshard_after_backward
         if self.reshard_after_backward:
             self.reshard(recycle, lend)
-        if slab and not lend:
-            self.comm.pool.start_slab(None, slab)
+        if slab and not lend and self.comm.host is not None:
+            self.comm.host.open_slab(None, slab)
         pending = []
         for g, grads in ready:
             if not grads:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .streamcheck import active_checker
+from .streams import current_stream
 
 __all__ = [
     "CollectiveError",
@@ -109,28 +109,31 @@ class CollectiveError(RuntimeError):
 class Handle:
     """An in-flight collective; :meth:`wait` blocks until it completes (idempotent)."""
 
-    __slots__ = ("_context", "_done", "_event", "_keep", "_then", "_work")
+    __slots__ = ("_context", "_device", "_event", "_keep", "_then", "_work")
 
     def __init__(
         self,
         work: Any | None,
+        device: torch.device,
         then: Callable[[], object] | None = None,
         context: str = "",
         keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self._work = work  # a Work, a list of them (p2p exchange), or None
+        self._device = device  # where the collective's tensors live (whose streams order it)
         self._then = then  # runs once the collective has finished (e.g. a copy-out)
         self._context = context  # what to name in errors: kind, unit, group size
-        # the issuing stream's work up to this collective, while a stream checker records
-        # ([Note: checking stream order on the CPU] in fullshard.engine.streamcheck)
-        checker = active_checker()
-        self._done = checker.snapshot() if checker is not None else None
-        # [Note: a handle without a collective]
-        self._event = _issuing_stream_event() if work is None else None
+        # [Note: a handle without a collective]: the issuing stream's work up to here
+        self._event: Any = current_stream(device).record_event()
         self._keep = keep
 
     def wait(self) -> None:
-        """Block until the collective has finished; record the time spent waiting."""
+        """Block until the collective has finished; record the time spent waiting.
+
+        The current stream is ordered after the collective first: gloo's reduce-scatter
+        copies its result into the output inside ``work.wait()``, on the waiting thread,
+        which is the collective's own write, not the waiter's."""
+        self._order_after()
         if self._work is not None:
             start = time.perf_counter()
             try:
@@ -142,40 +145,28 @@ class Handle:
             for stats in _active:
                 stats.wait_seconds += waited
             self._work = None
-        self._order_after()
         self._keep = ()
         if self._then is not None:
             self._then()
             self._then = None
 
     def _order_after(self) -> None:
-        """Rule 2: the current stream waits for the collective (NCCL's ``work.wait()`` does
-        it on CUDA, an event where there is no work; on the CPU the stream checker is told)."""
-        checker = active_checker()
-        if checker is not None and self._done is not None:
-            checker.wait(checker.current, self._done)
-        self._done = None
+        """Rule 2: the current stream waits for the collective (on NCCL ``work.wait()`` does
+        it too; where there is no work, this event is all that orders it)."""
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            current_stream(self._device).wait_event(self._event)
             self._event = None
 
 
-def _issuing_stream_event() -> Any | None:
-    """An event recorded on the current CUDA stream (``None`` where CUDA is not in use).
-
-    [Note: a handle without a collective]
-    On one rank, and where a custom all-gather returns no work, a "collective" is a local copy
-    (or nothing) issued on a side stream, and no ``work.wait()`` will make the compute stream
-    wait for it. So the handle records an event on the issuing stream and :meth:`Handle.wait`
-    makes the current stream wait on it (FSDP2 waits on its all-gather event with or without
-    work); the handle also keeps the copy's tensors (``keep``) until then, so their memory,
-    allocated on the compute stream, is not reused while the side stream still reads it.
-    """
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+# [Note: a handle without a collective]
+# On one rank, and where a custom all-gather returns no work, a "collective" is a local copy
+# (or nothing) issued on a side stream, and no ``work.wait()`` will make the compute stream
+# wait for it. So every handle records an event on the issuing stream and :meth:`Handle.wait`
+# makes the current stream wait on it (FSDP2 waits on its all-gather event with or without
+# work); the handle also keeps the copy's tensors (``keep``) until then, so their memory,
+# allocated on the compute stream, is not reused while the side stream still reads it. On the
+# CPU the event is a logical one, which is how the stream checker sees rule 2 for every
+# collective (gloo's work runs on its own threads, not on a stream).
 
 
 def record(

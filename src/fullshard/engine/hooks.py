@@ -316,10 +316,10 @@ class FSDPState:
         ctx.order.record_post_forward(self)
         if not torch.is_grad_enabled():
             self.group.reshard()  # no backward will come for this forward
-            if self.is_root:  # nor a gather soon ([Note: recycling unsharded buffers])
-                ctx.comm.pool.clear()
+            if self.is_root:  # nor a gather soon
+                ctx.forward_without_backward()
         elif self.reshard_policy is True and not local:
-            self.group.reshard(recycle=self._recycles_in_forward(ctx))
+            self.group.reshard(recycle=ctx.keeps_after_forward(self))
         elif self.reshard_policy is not False and not local:
             self.group.reshard_partial()
         self.training_state = TrainingState.IDLE
@@ -370,33 +370,10 @@ class FSDPState:
         # Finish the previous unit's reduction first (it has had this unit's whole backward to
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
-        ctx.reduce(self, recycle=self._recycles_in_backward(ctx), slab=ctx.slab_to_start(self))
+        ctx.reduce(self, post_backward=True)
         self.training_state = TrainingState.POST_BACKWARD
 
     # --------------------------------------------------------------------------- helpers
-    # [Note: recycling unsharded buffers] (fullshard.engine.pool): a freed buffer is kept only where
-    # a gather will come to take it, so the pool never holds memory nobody reuses.
-    def _recycles_in_forward(self, ctx: StepContext[FSDPState]) -> bool:
-        """Keep this unit's memory after its forward: the unit two on (the next one's prefetch)
-        gathers the same bytes, or backward's first gathers are this unit's own (the root,
-        the last unit and the one before it, the last unit's backward prefetch)."""
-        nxt = ctx.order.next_in_forward(self)
-        after = [a for n in nxt for a in ctx.order.next_in_forward(n)]
-        if self.is_root or not after:
-            return True
-        nbytes = self.group.unsharded_nbytes()
-        return any(a.group.unsharded_nbytes() == nbytes for a in after)
-
-    def _recycles_in_backward(self, ctx: StepContext[FSDPState]) -> bool:
-        """Keep this unit's memory after its backward: the unit the next one prefetches has
-        not been gathered for this backward yet."""
-        return any(
-            after.training_state is not TrainingState.POST_BACKWARD
-            and after.group.state is ShardedState.SHARDED
-            for nxt in ctx.order.next_in_backward(self)
-            for after in ctx.order.next_in_backward(nxt)
-        )
-
     def reshard_if_idle(self) -> None:
         """Make sure modules show sharded parameters (e.g. before ``state_dict``)."""
         if self.training_state is TrainingState.IDLE and self.group.state in (

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .mesh import member_group
+from .streams import current_stream, on_stream, serves
 
 __all__ = [
     "AllGatherComm",
@@ -104,7 +105,7 @@ class CommOverrides:
     all_gather: AllGatherComm | None = None
     reduce_scatter: ReduceScatterComm | None = None
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    hook_stream: Any = None  # a CUDA stream to run the hook on (ignored on the CPU)
+    hook_stream: Any = None  # the stream to run the hook on (fullshard.engine.streams.serves)
     reduce_scatter_unused_params: bool = False
     max_input_buffers: int | None = None  # None: the default (see the module docstring)
     reduce_scatter_group: dist.ProcessGroup | None = None
@@ -215,17 +216,18 @@ class BackendReduceScatter(_BackendBuffers):
 
 
 def run_hook(overrides: CommOverrides, output: torch.Tensor) -> None:
-    """Run the all-reduce hook on ``output`` (on its stream, if one was given, on CUDA)."""
+    """Run the all-reduce hook on ``output`` (on its stream, if one was given that serves
+    ``output``'s device: a CUDA stream, or a logical one on the CPU)."""
     hook = overrides.all_reduce_hook
     if hook is None:
         return
     stream = overrides.hook_stream
-    if stream is None or output.device.type != "cuda":
+    if stream is None or not serves(stream, output.device):
         hook(output)
         return
-    current = torch.cuda.current_stream(output.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
+    current = current_stream(output.device)
+    stream.wait_stream(current)  # the hook sees the reduced output
+    with on_stream(stream):
         hook(output)
     current.wait_stream(stream)  # the gradients are handed out on the compute stream
 

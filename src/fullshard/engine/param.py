@@ -128,16 +128,7 @@ class ShardedParam:
         self.local_numel = self.local_rows * self.row_numel
         self.numel = data.numel()
         self.spmd_mesh, self.spmd_placements = self._spmd(data)
-        start = rank * self.chunk_rows
-        with torch.no_grad():
-            if data.device.type == "meta":
-                local = torch.empty(self.local_shape, dtype=data.dtype, device="meta")
-            else:
-                local = data.detach().narrow(dim, min(start, rows), self.local_rows)
-                local = local.to(device, copy=True).contiguous()
-                # Pinned host memory only helps (and only exists) with an accelerator.
-                if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
-                    local = local.pin_memory()
+        local = self._cut_local(data, rank * self.chunk_rows, device, pin_memory)
         self.sharded_param = nn.Parameter(
             self._wrap_sharded(local), requires_grad=param.requires_grad
         )
@@ -154,6 +145,22 @@ class ShardedParam:
         self.unsharded_data: torch.Tensor | None = None
         # Unsharded gradient accumulated across micro-steps without sync (in reduce dtype).
         self.unsharded_accum_grad: torch.Tensor | None = None
+
+    def _cut_local(
+        self, data: torch.Tensor, start: int, device: torch.device, pin_memory: bool
+    ) -> torch.Tensor:
+        """This rank's rows of ``data`` (from row ``start``), a contiguous copy on ``device``
+        (pinned where an accelerator can use it); on meta, an empty meta tensor."""
+        with torch.no_grad():
+            if data.device.type == "meta":
+                return torch.empty(self.local_shape, dtype=data.dtype, device="meta")
+            rows = data.shape[self.dim]
+            local = data.detach().narrow(self.dim, min(start, rows), self.local_rows)
+            local = local.to(device, copy=True).contiguous()
+            # Pinned host memory only helps (and only exists) with an accelerator.
+            if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
+                local = local.pin_memory()
+            return local
 
     @property
     def requires_grad(self) -> bool:

@@ -16,7 +16,8 @@ left at 0 bytes, exactly as a resize would leave it) into a carrier storage; ``t
 carrier's memory into the storage being gathered. Both swap the storages' data pointers, so
 the views autograd saved of the unsharded parameters follow, as they follow a resize. The pool
 holds at most ``capacity`` (3) buffers, the most recently freed, and only buffers a gather
-will come for (``FSDPState._recycles_in_forward`` / ``_recycles_in_backward``): in forward,
+will come for (``HostStrategy.keeps_after_forward`` / ``after_backward`` in
+``fullshard.engine.host``): in forward,
 unit ``i``'s memory is taken by unit ``i + 2``'s prefetch (when that unit gathers the same
 bytes), and the root's and the last two units' survive the loss to be taken by the first
 gathers of backward (their own: the root's, the last unit's and its backward prefetch). Those
@@ -57,7 +58,7 @@ gradient shards are exactly one block's unsharded buffer, and they are freed rig
 the forward that needs those buffers. So the pool lends slabs for the last reductions of a
 backward and takes them back when the next forward begins:
 
-- ``StepContext._plan_slabs`` walks the reductions from the last one back; each run of
+- ``HostStrategy._plan_slabs`` walks the reductions from the last one back; each run of
   consecutive units whose outputs add up to exactly the size of one of the next forward's
   first gathers shares one slab (on ``comm``: blocks 3 + 2 and blocks 1 + 0).
 - The run's first unit opens it (``start_slab``): with its own freed unsharded buffer when no
@@ -89,7 +90,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import BackendPlan
 from .streamcheck import freed
 
 __all__ = ["BufferContent", "HostBufferPool"]
@@ -109,17 +109,15 @@ class BufferContent:
 class HostBufferPool:
     """Freed CPU storages kept for the next same-size gather (see the Note above)."""
 
-    def __init__(self, device: torch.device, plan: BackendPlan, capacity: int = 3) -> None:
-        # CUDA has its caching allocator: the plan recycles on the CPU only ([Note: the
-        # backend plan] in fullshard.engine.backend)
-        self.enabled = plan.buffer_pool
+    def __init__(self, device: torch.device, capacity: int = 3) -> None:
+        # Made by the root's host strategy only where the backend plan recycles (the CPU:
+        # CUDA has its caching allocator; [Note: the host strategy] in fullshard.engine.host).
         self.capacity = capacity
         self.device = device
         # (carrier storage, content token or None), oldest first
         self._free: list[tuple[torch.UntypedStorage, object]] = []
         # [Note: gradient memory lent for the next forward]: slabs lent out as reduce-scatter
         # outputs (they become the gradients), the one being filled and its fill offset.
-        self.lends = plan.grad_slabs
         self._lent: list[torch.UntypedStorage] = []
         self._open: torch.UntypedStorage | None = None
         self._offset = 0
@@ -130,8 +128,7 @@ class HostBufferPool:
         ``content``: what the memory holds, for :meth:`reclaim` (see the Notes above)."""
         freed(storage, "a buffer handed to the pool")
         nbytes = storage.nbytes()
-        if not self.enabled or nbytes == 0:
-            storage.resize_(0)
+        if nbytes == 0:
             return
         carrier = torch.UntypedStorage(0, device=storage.device)
         storage._swap_data_ptr_(carrier)  # type: ignore[attr-defined]
@@ -189,10 +186,6 @@ class HostBufferPool:
         """Open a slab of ``nbytes`` for the next reduce-scatter outputs: ``storage``'s memory
         (a unit's freed unsharded buffer of that size; the storage is left at 0 bytes, as a
         resize would leave it) or, without one, fresh memory."""
-        if not self.lends:
-            if storage is not None:
-                storage.resize_(0)
-            return
         if storage is None:
             slab = torch.UntypedStorage(nbytes, device=self.device)
         else:

@@ -179,14 +179,15 @@ class PendingReduce:
                 self.output.div_(post)
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
-            # a CPU run moves nothing, except under a stream checker ([Note: the offload
-            # copy on the CPU] in fullshard.engine.streams)
-            if self.offload and self.streams.moves_to_host(shard):
+            # a CPU run copies too ([Note: the offload copy on the CPU] in
+            # fullshard.engine.streams), but moves nothing between devices
+            if self.offload:
                 # Cast on the device (as FSDP2), so the host never computes on a copy in flight;
                 # where the host reads the gradient at once (added into an existing one, or a
                 # post-accumulate-grad hook), wait for the copy first.
                 shard = shard.to(sp.orig_dtype)
-                emit("d2h", self.unit, nbytes=shard.numel() * shard.element_size())
+                if shard.device.type != "cpu":
+                    emit("d2h", self.unit, nbytes=shard.numel() * shard.element_size())
                 shard = self.streams.to_host(shard, self.pin)
                 if sp.reads_grad_on_arrival():
                     self.streams.wait_host_copies()
@@ -288,12 +289,11 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         off += sp.shard_numel
     division = grad_division(g, dtype)
     hsdp = g.info.replicate_size > 1
-    in_pieces = (
-        not C.watched_by_torch_tools()  # [Note: collectives under torch's tools]
-        and g.transport.reduces_in_pieces
-        and g.overrides.reduce_scatter is None  # a custom reduce-scatter takes packed buffers
-        and division.pre == 1.0
-        and all(grad.dtype == dtype and grad.is_contiguous() for _, grad in ready)
+    # the unit's transport, decided once (ParamGroup._choose_transport); gradients that
+    # cannot be sent as they are (another dtype: accumulated without sync in the reduce
+    # dtype; not contiguous) are packed
+    in_pieces = g.transport.reduces_in_pieces and all(
+        grad.dtype == dtype and grad.is_contiguous() for _, grad in ready
     )
     emit("reduce_issue", g.name, "pieces" if in_pieces else "packed")
     params = [sp for sp, _ in ready]
@@ -416,12 +416,15 @@ def lendable_output_nbytes(g: ReduceUnit) -> int:
 
 
 def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The reduce-scatter output (it becomes the gradient shards): carved from the pool's
-    open slab where there is one ([Note: gradient memory lent for the next forward] in
-    ``fullshard.engine.pool``), else fresh."""
-    lendable = g.comm.pool.filling_slab and lendable_output_nbytes(g)  # cheap test first
-    out = g.comm.pool.grad_output(numel, dtype) if lendable else None
-    return out if out is not None else torch.empty(numel, dtype=dtype, device=g.device)
+    """The reduce-scatter output (it becomes the gradient shards): fresh, or carved from the
+    host strategy's open slab ([Note: gradient memory lent for the next forward] in
+    ``fullshard.engine.pool``)."""
+    host = g.comm.host
+    if host is not None and host.filling_slab and lendable_output_nbytes(g):  # cheap test first
+        out = host.grad_output(numel, dtype)
+        if out is not None:
+            return out
+    return torch.empty(numel, dtype=dtype, device=g.device)
 
 
 def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:

@@ -16,10 +16,13 @@ buffer's safety ([Note: streams and buffer lifetimes] in ``fullshard.engine.stre
    the copy runs while a checker records ([Note: the offload copy on the CPU] in
    ``fullshard.engine.streams``).
 
-On the CPU there are no streams, so nothing would check these rules. :func:`check_streams`
-runs the same calls on logical streams instead: ``CommStreams`` and ``Handle`` report to the
-active :class:`StreamChecker`, which keeps a vector clock per stream (each op ticks its
-stream; a wait merges the waited stream's clock into the waiter's), and a
+On the CPU there are no streams, so nothing would check these rules. The engine's stream
+calls are the same lines on every device ([Note: the stream interface] in
+``fullshard.engine.streams``): on the CPU they are made on :class:`LogicalStream` and
+:class:`LogicalEvent` objects ([Note: logical streams]), which report to the active
+:class:`StreamChecker` while :func:`check_streams` records (and do nothing otherwise). The
+checker keeps a vector clock per stream (each op ticks its stream; a wait merges the waited
+stream's clock into the waiter's), and a
 ``TorchDispatchMode`` notes which stream reads and writes each storage (collectives from
 c10d's ops: their output tensors are written). It reports
 
@@ -27,9 +30,9 @@ c10d's ops: their output tensors are written). It reports
   another with no wait ordering them;
 - a storage freed while another stream's use of it is not ordered before the free.
 
-The parity matrix runs once under the checker in CI (``tests/test_stream_order.py``), and a
-test removes each of the waits above in turn (rules 1, 2 and 4: both of rule 4's) and shows
-the checker fails. A DTensor's accesses are its local tensor's (the optimizer reads the
+The parity matrix runs once under the checker in CI (``tests/test_stream_order.py``), and
+``tests/test_stream_mutations.py`` deletes each stream call in ``src/`` in turn (on a copy)
+and shows a case fails. A DTensor's accesses are its local tensor's (the optimizer reads the
 sharded gradients as DTensors).
 """
 
@@ -43,7 +46,17 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["COMPUTE", "StreamChecker", "active_checker", "check_streams", "freed"]
+__all__ = [
+    "COMPUTE",
+    "LogicalEvent",
+    "LogicalStream",
+    "StreamChecker",
+    "active_checker",
+    "check_streams",
+    "current_logical",
+    "freed",
+    "on_logical",
+]
 
 COMPUTE = "compute"  # the stream the model's own ops run on
 
@@ -211,3 +224,101 @@ def check_streams() -> Iterator[StreamChecker]:
             yield checker
     finally:
         _active.remove(checker)
+
+
+# [Note: logical streams]
+# A LogicalStream is a stream's name with torch's stream methods (``wait_stream``,
+# ``wait_event``, ``record_event``, ``synchronize``); a LogicalEvent is what a stream had done
+# when it was recorded (a vector clock). Each method reports to the checker active when it is
+# called and does nothing when none is: the engine creates its CPU streams once, at lazy
+# init, whether or not a checker records then, and the same objects serve every later
+# ``check_streams``. Waiting on an event recorded under no checker (or another one) orders
+# nothing. ``synchronize`` is a host wait: what the host does next, on the current stream, is
+# ordered after it.
+
+
+class LogicalEvent:
+    """A CPU stand-in for ``torch.cuda.Event`` (see [Note: logical streams])."""
+
+    __slots__ = ("_clock",)
+
+    def __init__(self) -> None:
+        self._clock: Clock | None = None
+
+    def record(self, stream: LogicalStream | None = None) -> None:
+        """Capture what ``stream`` (default: the current one) has done so far."""
+        checker = active_checker()
+        name = (stream or current_logical()).name
+        self._clock = checker.snapshot(name) if checker is not None else None
+
+    def wait(self, stream: LogicalStream | None = None) -> None:
+        """``stream`` (default: the current one) waits for the recorded work."""
+        (stream or current_logical()).wait_event(self)
+
+    def synchronize(self) -> None:
+        """The host waits for the recorded work (its next ops are on the current stream)."""
+        checker = active_checker()
+        if checker is not None and self._clock is not None:
+            checker.wait(checker.current, self._clock)
+
+    def query(self) -> bool:
+        return True
+
+
+class LogicalStream:
+    """A CPU stand-in for ``torch.cuda.Stream`` (see [Note: logical streams])."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_stream(self, other: LogicalStream) -> None:
+        """Work queued on this stream from now on waits for ``other``'s work so far."""
+        checker = active_checker()
+        if checker is not None:
+            checker.wait(self.name, checker.snapshot(other.name))
+
+    def wait_event(self, event: LogicalEvent) -> None:
+        """Work queued on this stream from now on waits for ``event``'s work."""
+        checker = active_checker()
+        if checker is not None and event._clock is not None:
+            checker.wait(self.name, event._clock)
+
+    def record_event(self, event: LogicalEvent | None = None) -> LogicalEvent:
+        """An event recording this stream's work so far."""
+        event = event if event is not None else LogicalEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """The host waits for this stream's work so far."""
+        checker = active_checker()
+        if checker is not None:
+            checker.wait(checker.current, checker.snapshot(self.name))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LogicalStream) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"LogicalStream({self.name!r})"
+
+
+def current_logical() -> LogicalStream:
+    """The stream ops run on now: the checker's current one, else the compute stream."""
+    checker = active_checker()
+    return LogicalStream(checker.current if checker is not None else COMPUTE)
+
+
+@contextlib.contextmanager
+def on_logical(stream: LogicalStream) -> Iterator[None]:
+    """Run the block's ops on ``stream`` (while a checker records; else just run it)."""
+    checker = active_checker()
+    if checker is None:
+        yield
+        return
+    with checker.on(stream.name):
+        yield

@@ -1,9 +1,21 @@
-"""CUDA streams for communication and offload copies; no-ops on the CPU.
+"""The stream interface: side streams for communication and offload copies, the same calls on
+every device.
+
+[Note: the stream interface]
+This module is the only one in the engine that names CUDA's stream API. Its functions hand
+out stream objects — torch's ``torch.cuda.Stream`` / ``Event`` for CUDA devices, the stream
+checker's :class:`~fullshard.engine.streamcheck.LogicalStream` / ``LogicalEvent`` for every
+other device ([Note: logical streams] in ``fullshard.engine.streamcheck``) — and the engine
+calls torch's methods on them: ``wait_stream``, ``wait_event``, ``record_event``,
+``synchronize``. So each ordering line of the engine is one line that runs on CUDA and on
+every CPU test; on the CPU it does nothing unless a checker records, and then it is checked.
+``tests/test_stream_mutations.py`` deletes each such line of ``src/`` in turn and shows that a
+CPU case fails.
 
 [Note: streams and buffer lifetimes]
-On an accelerator the engine issues all-gathers on ``gather``, reduce-scatters on ``reduce``
-and CPU-offload copies on ``offload`` — each side stream first waits for the compute stream,
-so it sees everything queued before it. Rules that keep peak memory deterministic without
+The engine issues all-gathers on ``gather``, reduce-scatters on ``reduce`` and CPU-offload
+copies on ``offload`` — each side stream first waits for the compute stream, so it sees
+everything queued before it. Rules that keep peak memory deterministic without
 ``record_stream``:
 
 - every communication buffer is allocated on the compute (current) stream, before the side
@@ -17,9 +29,11 @@ so it sees everything queued before it. Rules that keep peak memory deterministi
 - device-to-host gradient copies (offload) are waited on at the end of backward, before the
   optimizer can read the host gradients.
 
-On the CPU there are no streams: every method runs its body directly, so the same code path
-runs in CI on every commit; under ``fullshard.engine.streamcheck.check_streams`` the same calls run on
-logical streams and the rules above are checked ([Note: checking stream order on the CPU]).
+[Note: the offload copy on the CPU]
+On a CPU run the gradient shards already live in host memory; the copy is made anyway (one
+copy of each reduced shard, on the logical offload stream), so the copy and its ordering are
+the lines CUDA runs, and a host read of a gradient before its copy has landed is an
+unordered access on every checked CPU run, as it would be a race on CUDA.
 """
 
 from __future__ import annotations
@@ -30,96 +44,72 @@ from typing import Any
 
 import torch
 
-from .backend import BackendPlan
-from .streamcheck import active_checker
+from .streamcheck import LogicalStream, current_logical, on_logical
 
-__all__ = ["CommStreams"]
+__all__ = ["CommStreams", "current_stream", "new_stream", "on_stream", "serves"]
+
+
+def new_stream(device: torch.device, name: str) -> Any:
+    """A side stream for ``device`` (``name``: what a stream checker calls it)."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device=device)
+    return LogicalStream(name)
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream ``device``'s ops are queued on now."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return current_logical()
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Queue the block's ops on ``stream`` (one from :func:`new_stream`)."""
+    if isinstance(stream, LogicalStream):
+        return on_logical(stream)
+    return torch.cuda.stream(stream)
+
+
+def serves(stream: object, device: torch.device) -> bool:
+    """Whether ``stream`` can run work for ``device``: a CUDA stream of that device, or a
+    logical stream for any other device (a user's ``torch.cpu.Stream`` orders nothing)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return isinstance(stream, torch.cuda.Stream) and stream.device.index == index
+    return isinstance(stream, LogicalStream)
 
 
 class CommStreams:
     """The side streams one root's units share (created at lazy init)."""
 
-    def __init__(self, device: torch.device, plan: BackendPlan) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.enabled = plan.streams  # CUDA ([Note: the backend plan] in fullshard.engine.backend)
-        self._streams: dict[str, Any] = {}
-        if self.enabled:
-            for name in ("gather", "reduce", "offload"):
-                self._streams[name] = torch.cuda.Stream(device=device)
-        self._host_copies: list[Any] = []  # events of D2H copies not yet waited on
+        self._streams = {name: new_stream(device, name) for name in ("gather", "reduce", "offload")}
+        self._host_copies: list[tuple[Any, torch.Tensor]] = []  # (event, source) not waited on
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[None]:
-        """Run the block on side stream ``name`` after it waits for the current stream (on
-        the CPU: on a logical stream while a stream checker records, see
-        [Note: checking stream order on the CPU] in fullshard.engine.streamcheck)."""
-        if self.enabled:
-            stream = self._streams[name]
-            self._side_waits_current(stream)
-            with torch.cuda.stream(stream):
-                yield
-            return
-        checker = active_checker()
-        if checker is None:
+        """Run the block on side stream ``name`` after it waits for the current stream."""
+        side = self._streams[name]
+        side.wait_stream(current_stream(self.device))  # rule 1: it sees what came before
+        with on_stream(side):
             yield
-            return
-        self._side_waits_current(name)
-        with checker.on(name):
-            yield
-
-    def _side_waits_current(self, stream: Any) -> None:
-        """Rule 1: the side stream sees everything queued on the current one before it."""
-        if self.enabled:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            return
-        checker = active_checker()
-        if checker is not None:
-            checker.wait(stream, checker.snapshot())
-
-    def moves_to_host(self, tensor: torch.Tensor) -> bool:
-        """Whether :meth:`to_host` copies ``tensor``: a device tensor, or any tensor while a
-        stream checker records (see [Note: the offload copy on the CPU])."""
-        return tensor.device.type != "cpu" or active_checker() is not None
 
     def to_host(self, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         """Copy ``tensor`` to host memory on the offload stream (waited on by
-        :meth:`wait_host_copies`); on the CPU, ``tensor`` itself.
-
-        [Note: the offload copy on the CPU]
-        On a CPU run the gradient shards already live in host memory, so nothing is copied and
-        no stream orders the host's reads after a copy. While a stream checker records, the
-        copy is made anyway (same values) on the logical offload stream and
-        :meth:`wait_host_copies` makes the current stream wait for it, so a host read of a
-        gradient before its copy has landed is an unordered access on every CI run, as it
-        would be a race on CUDA.
-        """
-        checker = active_checker()
-        if tensor.device.type == "cpu" and checker is None:
-            return tensor
+        :meth:`wait_host_copies`; see [Note: the offload copy on the CPU])."""
         if tensor.device.type == "cpu":
             out = torch.empty_like(tensor)
         else:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
         with self.use("offload"):
             out.copy_(tensor, non_blocking=pin)
-            if self.enabled:
-                event: Any = torch.cuda.Event()
-                event.record()
-            else:
-                assert checker is not None
-                event = checker.snapshot()
-            # ``tensor`` (device memory) must outlive the copy: keep it with the event.
-            self._host_copies.append((event, tensor))
+            # ``tensor`` (device memory) must outlive the copy: kept with its event
+            self._host_copies.append((self._streams["offload"].record_event(), tensor))
         return out
 
     def wait_host_copies(self) -> None:
-        """Block until every D2H copy issued by :meth:`to_host` has landed (under a stream
-        checker: the current stream waits for the offload stream's copies)."""
-        checker = active_checker()
+        """Block until every copy issued by :meth:`to_host` has landed."""
         for event, _ in self._host_copies:
-            if isinstance(event, dict):  # a checker's snapshot
-                if checker is not None:
-                    checker.wait(checker.current, event)
-            else:
-                event.synchronize()
+            event.synchronize()
         self._host_copies.clear()

@@ -23,9 +23,14 @@ than the copies saved), gathers in pieces up to 8 ranks and reductions in pieces
 (on more, a p2p reduce-scatter needs N - 2 chunks of scratch, +30 MiB peak RSS per rank at
 N = 4 on ``fullshard bench --config memory``); packed everywhere else (NCCL). A packed
 buffer's collective on gloo may itself be one p2p message per peer (on 2 ranks, up to
-``backend.P2P_SMALL_BYTES``: see ``BackendPlan.algorithm``). A unit chooses once, at lazy
-init (:func:`select_transport`, from its root's backend plan: [Note: the backend plan]); the
-planner's engine model (``fullshard.memory.planner``) and the benchmarks' variants use the same
+``backend.P2P_SMALL_BYTES``: see ``BackendPlan.algorithm``, a pure function of the buffer's
+size). A unit chooses once, at lazy init (:func:`select_transport`, from its root's backend
+plan: [Note: the backend plan]), and keeps packed a direction its settings need one buffer
+for (a custom collective, an int8 or other wire dtype, fp16's split division); a setter that
+changes one of those decides again (``ParamGroup._choose_transport``). A gather or a reduction
+only reads the decision (the kept copy of an int ``reshard_after_forward``, regathered within
+its subgroup, and gradients that cannot be sent as they are, are packed). The planner's
+engine model (``fullshard.memory.planner``) and the benchmarks' variants use the same
 function.
 """
 

@@ -62,3 +62,4 @@ def install_comm_hook(
             )
         st.group.overrides.reduce_scatter = comm
         st.group.overrides.gradient_divide_factor = 1.0
+        st.group.settings_changed()

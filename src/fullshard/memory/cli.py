@@ -287,11 +287,9 @@ class Option:
     spec: PlanSpec
 
 
-def recommend(spec: PlanSpec, budget: int) -> list[Option]:
-    """Single changes in order of cost (cheapest first), then combinations, with their peaks."""
+def _candidates(spec: PlanSpec) -> list[tuple[str, str, PlanSpec]]:
+    """The changes that lower a plan's peak, cheapest first: (change, its cost, new spec)."""
     import torch
-
-    from fullshard.memory.planner import plan
 
     r = dataclasses.replace
     cands: list[tuple[str, str, PlanSpec]] = []
@@ -348,6 +346,15 @@ def recommend(spec: PlanSpec, budget: int) -> list[Option]:
         cands.append(
             ("CPU offload + activation checkpointing", "both costs", r(spec, offload=True, ac=True))
         )
+    return cands
+
+
+def recommend(spec: PlanSpec, budget: int) -> list[Option]:
+    """Single changes in order of cost (cheapest first), then combinations, with their peaks."""
+    from fullshard.memory.planner import plan
+
+    r = dataclasses.replace
+    cands = _candidates(spec)
     out = []
     for change, cost, s in cands:
         out.append(Option(change, cost, plan(s).peak.total, s))
@@ -437,6 +444,43 @@ def render(spec: PlanSpec, p: Plan, timeline: bool = False, libraries_rss: int =
     return "\n".join(lines)
 
 
+def _measure(spec: PlanSpec, p: Plan, text: list[str], result: dict[str, Any]) -> bool:
+    """``--measure``: run the plan's GPT on local gloo ranks and add the measured peak and the
+    prediction's error to ``text`` and ``result``; ``False`` (after saying why) if it cannot."""
+    if spec.model is None:
+        print("fullshard plan: --measure runs the GPT only", file=sys.stderr)
+        return False
+    if spec.engine.endswith("-nccl"):
+        print(
+            f"fullshard plan: --measure runs on local gloo ranks (CPU); --engine "
+            f"{spec.engine} models NCCL. Measure with --engine fullshard, or drop --measure",
+            file=sys.stderr,
+        )
+        return False
+    from fullshard.memory.measure import measure_rank
+    from fullshard.testing import run_distributed
+
+    ranks = run_distributed(
+        measure_rank,
+        spec.world_size,
+        dataclasses.asdict(spec.model),
+        spec.batch,
+        spec.seq,
+        spec.engine,
+        3,
+        spec.reshard_after_forward,
+    )
+    measured = max(r["peak_bytes"] for r in ranks)
+    err = p.peak.total / measured - 1
+    text.append(
+        f"\nmeasured ({spec.engine}, {spec.world_size} gloo ranks, 3 steps, live tensor bytes): "
+        f"{_fmt(measured)} at {ranks[0]['peak_at']}; prediction {err:+.1%}"
+    )
+    result["measured_peak_bytes"] = measured
+    result["relative_error"] = err
+    return True
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -482,38 +526,8 @@ def main(argv: list[str]) -> int:
             result["options"] = [
                 {"change": o.change, "cost": o.cost, "peak_bytes": o.peak} for o in opts
             ]
-    if args.measure:
-        if spec.model is None:
-            print("fullshard plan: --measure runs the GPT only", file=sys.stderr)
-            return 2
-        if spec.engine.endswith("-nccl"):
-            print(
-                f"fullshard plan: --measure runs on local gloo ranks (CPU); --engine "
-                f"{spec.engine} models NCCL. Measure with --engine fullshard, or drop --measure",
-                file=sys.stderr,
-            )
-            return 2
-        from fullshard.memory.measure import measure_rank
-        from fullshard.testing import run_distributed
-
-        ranks = run_distributed(
-            measure_rank,
-            spec.world_size,
-            dataclasses.asdict(spec.model),
-            spec.batch,
-            spec.seq,
-            spec.engine,
-            3,
-            spec.reshard_after_forward,
-        )
-        measured = max(r["peak_bytes"] for r in ranks)
-        err = p.peak.total / measured - 1
-        text.append(
-            f"\nmeasured ({spec.engine}, {spec.world_size} gloo ranks, 3 steps, live tensor bytes): "
-            f"{_fmt(measured)} at {ranks[0]['peak_at']}; prediction {err:+.1%}"
-        )
-        result["measured_peak_bytes"] = measured
-        result["relative_error"] = err
+    if args.measure and not _measure(spec, p, text, result):
+        return 2
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()

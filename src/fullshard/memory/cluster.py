@@ -308,15 +308,10 @@ def model_params(spec: ClusterSpec, p: Plan) -> int:
     return per_unit[0] + sum(per_unit[1:]) * _layers(spec) // max(1, len(p.units) - 1)
 
 
-def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
-    """Plan one GPU of ``spec``'s cluster: memory, step time, traffic ([Note: the time model])."""
-    g, t = spec.gpu, spec.tp
-    mspec = memory_spec(spec)
-    p = plan(mspec)
-    m = spec.microbatches
-    bp = _bytes(spec.param_dtype)
-    numels = [u.padded_numel for u in p.units]
-    # ---- memory
+def _peak_bytes(spec: ClusterSpec, p: Plan, numels: list[int], bp: int) -> int:
+    """One GPU's peak: the memory plan's, plus hpZ's secondary copies and, with pipeline
+    stages, the micro-batches 1F1B keeps in flight."""
+    t, m = spec.tp, spec.microbatches
     peak = p.peak.total
     if spec.hpz and spec.pp == 1:
         peak += bp * sum(numels[1:]) // spec.hpz
@@ -333,8 +328,13 @@ def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
         peak += (min(spec.pp, m) - 1) * max(saved, 0)
         if m > 1:
             peak += 4 * sum(numels)  # unsharded fp32 gradients accumulated over micro-batches
-    reserved = int(peak * (1 + RESERVE_FRACTION))
-    # ---- compute per segment
+    return peak
+
+
+def _compute_chunks(spec: ClusterSpec, p: Plan) -> tuple[list[list[float]], list[list[float]]]:
+    """The compute of each unit's forward and backward in schedule order, ``[unit,
+    seconds]`` per chunk (the root's forward first, its backward last)."""
+    g, t = spec.gpu, spec.tp
     hid = 1 - 1 / t
 
     def seconds(s: Segment) -> float:
@@ -348,6 +348,46 @@ def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
             c, g, compile=spec.compile, float8=spec.float8, fp32=spec.param_dtype == torch.float32
         )
 
+    fwd: list[list[float]] = [[0, 0.0]]
+    bwd: list[list[float]] = []
+    for seg in p.segments:
+        if seg.phase == "forward":
+            if seg.unit > 0:
+                fwd.append([seg.unit, 0.0])
+            fwd[-1][1] += seconds(seg)
+        else:
+            if seg.unit > 0 or not bwd:
+                bwd.append([max(seg.unit, 0), 0.0])
+            bwd[-1][1] += seconds(seg)
+    return fwd, bwd
+
+
+def _comm_summary(vol: dict[str, dict[str, float]], links: list[tuple[Any, int]]) -> dict[str, Any]:
+    """Per parallel dimension: bytes per step, the collectives, the link and the group size."""
+    return {
+        dim: {
+            "bytes_per_step": sum(v.values()),
+            "collectives": v,
+            "link": link.kind,
+            "group": n,
+        }
+        for (dim, v), (link, n) in zip(
+            vol.items(),
+            links,
+        )
+    }
+
+
+def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
+    """Plan one GPU of ``spec``'s cluster: memory, step time, traffic ([Note: the time model])."""
+    g, t = spec.gpu, spec.tp
+    mspec = memory_spec(spec)
+    p = plan(mspec)
+    m = spec.microbatches
+    bp = _bytes(spec.param_dtype)
+    numels = [u.padded_numel for u in p.units]
+    peak = _peak_bytes(spec, p, numels, bp)
+    reserved = int(peak * (1 + RESERVE_FRACTION))
     vol = volumes(spec, numels)
     s_, r_, k = spec.dp_shard, spec.dp_replicate, spec.hpz
     shard_link = link_for(g, s_, t, spec.node)
@@ -366,18 +406,7 @@ def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
             r_, 2 * (r_ - 1) / r_ * bpr * shard, rep_link
         )
 
-    # compute chunks in schedule order: [(unit, seconds)] per phase
-    fwd: list[list[float]] = [[0, 0.0]]
-    bwd: list[list[float]] = []
-    for seg in p.segments:
-        if seg.phase == "forward":
-            if seg.unit > 0:
-                fwd.append([seg.unit, 0.0])
-            fwd[-1][1] += seconds(seg)
-        else:
-            if seg.unit > 0 or not bwd:
-                bwd.append([max(seg.unit, 0), 0.0])
-            bwd[-1][1] += seconds(seg)
+    fwd, bwd = _compute_chunks(spec, p)
     compute = sum(c for _, c in fwd) + sum(c for _, c in bwd)
     # overlap: the next unit's gather under this chunk (forward); the next gather and the
     # previous unit's reduction under this chunk (backward)
@@ -408,18 +437,8 @@ def cluster_plan(spec: ClusterSpec) -> ClusterPlan:
     n_full = model_params(spec, p)
     fpt = _flops_per_token(spec, n_full)
     tps = tokens / step
-    comm = {
-        dim: {
-            "bytes_per_step": sum(v.values()),
-            "collectives": v,
-            "link": link.kind,
-            "group": n,
-        }
-        for (dim, v), (link, n) in zip(
-            vol.items(),
-            [(shard_link, s_), (rep_link, r_), (tp_link, t), (pp_link, spec.pp)],
-        )
-    }
+    links = [(shard_link, s_), (rep_link, r_), (tp_link, t), (pp_link, spec.pp)]
+    comm = _comm_summary(vol, links)
     comm["tp"]["exposed_s"] = m * tp_s
     comm["pp"]["exposed_s"] = m * pp_s
     comm["dp"] = {"exposed_s": exposed}

@@ -195,6 +195,9 @@ def _width(model: nn.Module) -> int:
     return 0
 
 
+F32 = 4  # bytes of an fp32 element (master weights, gradient shards, states)
+
+
 def _run_fake(
     spec: PlanSpec,
     model: nn.Module,
@@ -203,128 +206,150 @@ def _run_fake(
     x: torch.Tensor,
     y: torch.Tensor,
 ) -> list[Segment]:
-    width, tokens = _width(model), spec.batch * spec.seq
+    """One forward and backward of ``model`` on fake tensors, cut into segments at unit
+    boundaries (see :class:`_SegmentRecorder`)."""
+    return _SegmentRecorder(spec, model, named).run(x, y)
 
-    def is_hidden(t: torch.Tensor) -> bool:
+
+class _SegmentRecorder:
+    """Live bytes and op costs of one fake step, one :class:`Segment` per stretch between unit
+    boundaries (a unit's forward, its backward, the root between them, the loss); a unit's
+    gradients are freed (reduced) when the last one of them is accumulated."""
+
+    def __init__(self, spec: PlanSpec, model: nn.Module, named: list[tuple[str, nn.Module]]):
+        self.spec, self.model, self.named = spec, model, named
+        self.width, self.tokens = _width(model), spec.batch * spec.seq
+        self.tracker = LiveTensorBytes(
+            classify=lambda t: "hidden" if self._is_hidden(t) else "other"
+        )
+        self.cost = OpCost(classify=self._is_hidden, on_matmul_input=self._gathered)
+        self.segments: list[Segment] = []
+        self.owner: dict[int, int] = {}  # id(param) -> unit index
+        for i, (_, mod) in reversed(list(enumerate(named))):
+            for p in mod.parameters():
+                self.owner.setdefault(id(p), i)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.by_unit: dict[int, list[nn.Parameter]] = {i: [] for i in range(len(named))}
+        for p in self.params:
+            self.by_unit[self.owner[id(p)]].append(p)
+        self.pending = {i: len(ps) for i, ps in self.by_unit.items()}
+        self.mark = self.cost.totals()
+
+    def _is_hidden(self, t: torch.Tensor) -> bool:
         """A residual-stream-shaped tensor ([b, s, d] or [b*s, d])."""
-        return t.dim() >= 2 and t.shape[-1] == width and t.numel() == tokens * width
+        return t.dim() >= 2 and t.shape[-1] == self.width and t.numel() == self.tokens * self.width
 
-    tracker = LiveTensorBytes(classify=lambda t: "hidden" if is_hidden(t) else "other")
-
-    def gathered(t: torch.Tensor) -> None:
+    def _gathered(self, t: torch.Tensor) -> None:
         """A matmul reads this residual-stream tensor: under sequence parallelism it is the
         all-gathered, full-length copy (what a column-parallel linear saves), not a shard."""
-        tracker.recategorize(t, "hidden", "gathered")
+        self.tracker.recategorize(t, "hidden", "gathered")
 
-    cost = OpCost(classify=is_hidden, on_matmul_input=gathered)
-    segments: list[Segment] = []
-    owner: dict[int, int] = {}  # id(param) -> unit index
-    for i, (_, mod) in reversed(list(enumerate(named))):
-        for p in mod.parameters():
-            owner.setdefault(id(p), i)
-    params = [p for p in model.parameters() if p.requires_grad]
-    pending = {i: sum(1 for p in params if owner[id(p)] == i) for i in range(len(named))}
-    by_unit: dict[int, list[nn.Parameter]] = {i: [] for i in range(len(named))}
-    for p in params:
-        by_unit[owner[id(p)]].append(p)
+    def _live(self) -> int:
+        return self.tracker.current - self.tracker.by_category.get("param", 0)
 
-    def live() -> int:
-        return tracker.current - tracker.by_category.get("param", 0)
+    def _grads(self) -> int:
+        return self.tracker.by_category.get("grad", 0)
 
-    def grads() -> int:
-        return tracker.by_category.get("grad", 0)
+    def _hidden(self) -> int:
+        return self.tracker.by_category.get("hidden", 0)
 
-    def hidden() -> int:
-        return tracker.by_category.get("hidden", 0)
-
-    mark = [cost.totals()]
-
-    def close() -> None:  # the ops since the last segment began are the last segment's
-        now = cost.totals()
-        if segments:
-            seg = segments[-1]
-            d = [a - b for a, b in zip(now, mark[0])]
+    def _close(self) -> None:
+        """The ops since the last segment began are the last segment's."""
+        now = self.cost.totals()
+        if self.segments:
+            seg = self.segments[-1]
+            d = [a - b for a, b in zip(now, self.mark)]
             seg.mm_flops, seg.attn_flops = seg.mm_flops + d[0], seg.attn_flops + d[1]
             seg.mem_bytes, seg.hidden_mem_bytes = seg.mem_bytes + d[2], seg.hidden_mem_bytes + d[3]
             seg.mm_operand_bytes += d[4]
             seg.causal_attn_flops += d[5]
-        mark[0] = now
+        self.mark = now
 
-    def begin(label: str, unit: int, phase: str) -> None:
-        close()
-        now, g, h = live(), grads(), hidden()
-        last = segments[-1] if segments else None
+    def _begin(self, label: str, unit: int, phase: str) -> None:
+        self._close()
+        now, g, h = self._live(), self._grads(), self._hidden()
+        last = self.segments[-1] if self.segments else None
         after = unit if unit > 0 else (last.after if last and last.phase == phase else 0)
-        segments.append(
-            Segment(
-                label=label,
-                unit=unit,
-                phase=phase,
-                after=after,
-                start=now,
-                start_grads=g,
-                start_hidden=h,
-            )
+        seg = Segment(
+            label=label,
+            unit=unit,
+            phase=phase,
+            after=after,
+            start=now,
+            start_grads=g,
+            start_hidden=h,
         )
-        segments[-1].peak, segments[-1].peak_grads, segments[-1].peak_hidden = now, g, h
+        seg.peak, seg.peak_grads, seg.peak_hidden = now, g, h
+        self.segments.append(seg)
 
-    def on_op(t: LiveTensorBytes) -> None:
-        seg = segments[-1]
-        now = live()
+    def _on_op(self, t: LiveTensorBytes) -> None:
+        seg = self.segments[-1]
+        now = self._live()
         if now > seg.peak:
-            seg.peak, seg.peak_grads, seg.peak_hidden = now, grads(), hidden()
+            seg.peak, seg.peak_grads, seg.peak_hidden = now, self._grads(), self._hidden()
 
-    def reduce_point() -> None:
-        seg = segments[-1]
-        on_op(tracker)
-        seg.reduce_at, seg.reduce_grads, seg.reduce_hidden = live(), grads(), hidden()
+    def _reduce_point(self) -> None:
+        seg = self.segments[-1]
+        self._on_op(self.tracker)
+        seg.reduce_at, seg.reduce_grads, seg.reduce_hidden = (
+            self._live(),
+            self._grads(),
+            self._hidden(),
+        )
 
-    def accumulated(p: torch.Tensor) -> None:
-        i = owner[id(p)]
-        tracker.set_category(p.grad, "grad")  # type: ignore[arg-type]
-        pending[i] -= 1
-        if pending[i] == 0 and i != 0:  # the unit's gradients are all here: reduce and free
-            reduce_point()
-            for q in by_unit[i]:
+    def _accumulated(self, p: torch.Tensor) -> None:
+        i = self.owner[id(p)]
+        self.tracker.set_category(p.grad, "grad")  # type: ignore[arg-type]
+        self.pending[i] -= 1
+        if self.pending[i] == 0 and i != 0:  # the unit's gradients are all here: reduce, free
+            self._reduce_point()
+            for q in self.by_unit[i]:
                 q.grad = None
-            begin("backward root", 0, "backward")
+            self._begin("backward root", 0, "backward")
 
-    def enter(label: str, unit: int, phase: str) -> Callable[..., None]:
+    def _enter(self, label: str, unit: int, phase: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            begin(label, unit, phase)
+            self._begin(label, unit, phase)
 
         return hook
 
-    handles: list[Any] = []
-    for i, (name, mod) in enumerate(named):
-        if i == 0:
-            continue
-        handles.append(mod.register_forward_pre_hook(enter(f"forward {name}", i, "forward")))
-        handles.append(mod.register_forward_hook(enter("forward root", 0, "forward")))
-        handles.append(
-            mod.register_full_backward_pre_hook(enter(f"backward {name}", i, "backward"))
-        )
-    for p in params:
-        handles.append(p.register_post_accumulate_grad_hook(accumulated))
-    blocks = [m for _, m in named[1:]]
-    try:
-        with tracker, cost, checkpointed(blocks, spec.ac_mode):
-            tracker.track(params, "param")
-            tracker.on_op = on_op
-            begin("forward root", 0, "forward")
-            logits = _logits(model(x))
-            begin("loss", -1, "forward")
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-            del logits
-            begin("backward root", 0, "backward")
-            loss.backward()
-            del loss
-            reduce_point()
-            close()
-    finally:
-        for h in handles:
-            h.remove()
-    return segments
+    def _hooks(self) -> list[Any]:
+        handles: list[Any] = []
+        for i, (name, mod) in enumerate(self.named):
+            if i == 0:
+                continue
+            handles.append(
+                mod.register_forward_pre_hook(self._enter(f"forward {name}", i, "forward"))
+            )
+            handles.append(mod.register_forward_hook(self._enter("forward root", 0, "forward")))
+            handles.append(
+                mod.register_full_backward_pre_hook(self._enter(f"backward {name}", i, "backward"))
+            )
+        for p in self.params:
+            handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        return handles
+
+    def run(self, x: torch.Tensor, y: torch.Tensor) -> list[Segment]:
+        handles = self._hooks()
+        blocks = [m for _, m in self.named[1:]]
+        try:
+            with self.tracker, self.cost, checkpointed(blocks, self.spec.ac_mode):
+                self.tracker.track(self.params, "param")
+                self.tracker.on_op = self._on_op
+                self._begin("forward root", 0, "forward")
+                logits = _logits(self.model(x))
+                self._begin("loss", -1, "forward")
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+                del logits
+                self._begin("backward root", 0, "backward")
+                loss.backward()
+                del loss
+                self._reduce_point()
+                self._close()
+        finally:
+            for h in handles:
+                h.remove()
+        return self.segments
 
 
 # ---- the timeline ----------------------------------------------------------------------------
@@ -338,133 +363,150 @@ def plan(spec: PlanSpec) -> Plan:
 
 
 def _timeline(spec: PlanSpec, units: list[Unit], segments: list[Segment]) -> list[Event]:
-    eng = ENGINES[spec.engine]
-    pbytes = torch.empty((), dtype=spec.param_dtype).element_size()
-    f32 = 4
-    host = "host:" if spec.offload else ""
-    shard = sum(u.shard_numel for u in units) * f32
-    n_states = OPTIMIZER_STATES[spec.optimizer]
-    unit_bytes = [u.padded_numel * pbytes for u in units]
-    # [Note: a window for small units] in fullshard.engine.order: fullshard's backend plan on the
-    # CPU gathers and reduces small units further ahead ([Note: the backend plan])
-    window = (
-        BackendPlan.choose(eng.transport[1], eng.transport[0]).window_bytes if eng.transport else 0
-    )
-    # The engine aliases a unit's unsharded parameters to its shards when the two would be the
-    # same tensors: one rank, compute in the masters' dtype, no offload, no replicas.
-    aliasable = spec.param_dtype == torch.float32 and not spec.offload and spec.world_size == 1
-    per_unit = [eng.for_unit(spec.shard_size, b, aliasable=aliasable) for b in unit_bytes]
-    gathered = [0 if e.aliases else b for e, b in zip(per_unit, unit_bytes)]  # new bytes held
-    n = len(units)
-    orders = {"forward": list(range(n)), "backward": [0] + list(range(n - 1, 0, -1))}
-    reduced: set[int] = set()  # units whose gradients are already reduced (sharded)
+    """The memory events of one step: per segment, the all-gathers entering it, its peak and
+    its reduce-scatter, then the optimizer step (see :class:`_Timeline`)."""
+    timeline = _Timeline(spec, units)
+    for seg in segments:
+        timeline.add(seg)
+    return timeline.events + [timeline.optimizer_step()]
 
-    def held(seg: Segment) -> set[int]:
+
+class _Timeline:
+    """Walks the segments of one step, keeping what the engine holds between them: the
+    gathered units, the reductions in flight and the gradient shards so far."""
+
+    def __init__(self, spec: PlanSpec, units: list[Unit]) -> None:
+        self.spec, self.units = spec, units
+        self.eng = eng = ENGINES[spec.engine]
+        self.pbytes = torch.empty((), dtype=spec.param_dtype).element_size()
+        self.host = "host:" if spec.offload else ""
+        self.shard = sum(u.shard_numel for u in units) * F32
+        self.n_states = OPTIMIZER_STATES[spec.optimizer]
+        unit_bytes = [u.padded_numel * self.pbytes for u in units]
+        # [Note: a window for small units] in fullshard.engine.order: fullshard's backend plan
+        # on the CPU gathers and reduces small units further ahead ([Note: the backend plan])
+        self.window = (
+            BackendPlan.choose(eng.transport[1], eng.transport[0]).window_bytes
+            if eng.transport
+            else 0
+        )
+        # The engine aliases a unit's unsharded parameters to its shards when the two would be
+        # the same tensors: one rank, compute in the masters' dtype, no offload, no replicas.
+        aliasable = spec.param_dtype == torch.float32 and not spec.offload and spec.world_size == 1
+        self.per_unit = [eng.for_unit(spec.shard_size, b, aliasable=aliasable) for b in unit_bytes]
+        # new bytes held per unit gathered
+        self.gathered = [0 if e.aliases else b for e, b in zip(self.per_unit, unit_bytes)]
+        n = len(units)
+        self.orders = {"forward": list(range(n)), "backward": [0] + list(range(n - 1, 0, -1))}
+        self.reduced: set[int] = set()  # units whose gradients are already reduced (sharded)
+        self.ever: set[int] = set()  # units gathered so far in this step
+        self.was: set[int] = set()  # units gathered during the previous segment
+        self.pending = 0  # a reduce-scatter input still alive (EngineModel.reduce_pending)
+        # the window's reductions: (unit bytes, input bytes)
+        self.in_flight: list[tuple[int, int]] = []
+        self.alive = 0  # the input bytes of those not counted in ``pending``
+        self.events: list[Event] = []
+
+    def held(self, seg: Segment) -> set[int]:
         """Units gathered during ``seg``: the root (gathered from the model's pre-forward to
         its post-forward, and from its pre-backward to the end), the computing unit, and the
         units prefetched ahead of it."""
+        eng = self.eng
         if seg.unit < 0:  # the loss, between the model's forward and backward
             out: set[int] = set()
         else:
-            order = orders[seg.phase]
+            order = self.orders[seg.phase]
             ahead = eng.forward_prefetch if seg.phase == "forward" else eng.backward_prefetch
             k = order.index(seg.after)
             lo = k if seg.unit > 0 else k + 1
             end, extra = k + 1 + ahead, 0
             while ahead and end < len(order):  # the small units gathered further ahead
-                extra += gathered[order[end]]
-                if extra > window:
+                extra += self.gathered[order[end]]
+                if extra > self.window:
                     break
                 end += 1
             out = {0, *order[lo:end]}
-        if not spec.reshard_after_forward:  # what was gathered once stays until its backward
-            out |= ever - reduced
-            ever.update(out)
+        if not self.spec.reshard_after_forward:  # what was gathered once stays until backward
+            out |= self.ever - self.reduced
+            self.ever.update(out)
         return out
 
-    ever: set[int] = set()  # units gathered so far in this step
-
-    def act(live: int, grads: int, hidden: int) -> int:
+    def _act(self, live: int, grads: int, hidden: int) -> int:
         """Activation bytes; sequence parallelism shards the residual stream's over TP."""
-        return live - grads - hidden + hidden // spec.tp
+        return live - grads - hidden + hidden // self.spec.tp
 
-    events: list[Event] = []
-    was: set[int] = set()
-    pending = 0  # a reduce-scatter input still alive (EngineModel.reduce_pending)
-    in_flight: list[tuple[int, int]] = []  # the window's reductions: (unit bytes, input bytes)
-    alive = 0  # the input bytes of those not counted in ``pending``
-    for seg in segments:
-        base = {
-            f"{host}sharded params": shard,
-            f"{host}sharded grads": sum(units[i].shard_numel * f32 for i in reduced),
-            f"{host}optimizer states": n_states * shard,
+    def _event(self, label: str, gath: int, comm: int, at: tuple[int, int, int]) -> None:
+        live, grads, hidden = at
+        host = self.host
+        ev = {
+            f"{host}sharded params": self.shard,
+            f"{host}sharded grads": sum(self.units[i].shard_numel * F32 for i in self.reduced),
+            f"{host}optimizer states": self.n_states * self.shard,
+            "gathered units": gath,
+            "comm buffers": comm,
+            "activations": self._act(live, grads, hidden),
+            "unsharded grads": grads,
         }
-        now = held(seg)
-        gath = sum(gathered[i] for i in now)
-        new = now - was
+        self.events.append(Event(label, ev))
+
+    def add(self, seg: Segment) -> None:
+        """The events of ``seg``: the all-gathers entering it, its peak, its reduce-scatter."""
+        now = self.held(seg)
+        gath = sum(self.gathered[i] for i in now)
+        new = now - self.was
         if new:  # all-gathers issued on entering this segment
-            extra = sum(gathered[i] for i in new if per_unit[i].copy_out)
-            low_precision = spec.param_dtype != torch.float32
+            extra = sum(self.gathered[i] for i in new if self.per_unit[i].copy_out)
+            low_precision = self.spec.param_dtype != torch.float32
             for i in new:  # the shard sent, where it is a separate (packed, cast) copy
-                if eng.gather_input_copy or (low_precision and per_unit[i].copy_out):
-                    extra += units[i].shard_numel * pbytes
-            ev = dict(base, **{"gathered units": gath, "comm buffers": extra + pending + alive})
-            ev.update(
-                {
-                    "activations": act(seg.start, seg.start_grads, seg.start_hidden),
-                    "unsharded grads": seg.start_grads,
-                }
-            )
-            names = ", ".join(units[i].name for i in sorted(new))
-            events.append(Event(f"all-gather of {names} (entering {seg.label})", ev))
-        was = now
-        ev = dict(base, **{"gathered units": gath, "comm buffers": pending + alive})
-        ev.update(
-            {
-                "activations": act(seg.peak, seg.peak_grads, seg.peak_hidden),
-                "unsharded grads": seg.peak_grads,
-            }
-        )
-        events.append(Event(seg.label, ev))
+                if self.eng.gather_input_copy or (low_precision and self.per_unit[i].copy_out):
+                    extra += self.units[i].shard_numel * self.pbytes
+            names = ", ".join(self.units[i].name for i in sorted(new))
+            start = (seg.start, seg.start_grads, seg.start_hidden)
+            comm = extra + self.pending + self.alive
+            self._event(f"all-gather of {names} (entering {seg.label})", gath, comm, start)
+        self.was = now
+        peak = (seg.peak, seg.peak_grads, seg.peak_hidden)
+        self._event(seg.label, gath, self.pending + self.alive, peak)
         if seg.reduce_at is not None:
-            u = units[seg.unit]
-            # Full gradients and the packed reduce-scatter input coexist for the copy-in; the
-            # new gradient shard is the output.
-            send = u.padded_numel * pbytes
-            if per_unit[seg.unit].reduce_from_grads and spec.param_dtype != torch.float16:
-                send = 0
-            out = u.shard_numel * f32
-            if per_unit[seg.unit].aliases:  # the gradients are the shards' gradients
-                send = out = 0
-            # make_room: earlier reductions stay in flight while those beyond the first
-            # (and this one) fit the window
-            while in_flight and sum(b for b, _ in in_flight[1:]) + gathered[seg.unit] > window:
-                in_flight.pop(0)
-            earlier = sum(s for _, s in in_flight)
-            ev = dict(
-                base, **{"gathered units": gath, "comm buffers": pending + earlier + send + out}
-            )
-            ev.update(
-                {
-                    "activations": act(seg.reduce_at, seg.reduce_grads, seg.reduce_hidden),
-                    "unsharded grads": seg.reduce_grads,
-                }
-            )
-            events.append(Event(f"reduce-scatter of {u.name}", ev))
-            reduced.add(seg.unit)  # its output buffer is now the gradient shards
-            pending = send if eng.reduce_pending and seg.unit != 0 else 0
-            in_flight.append((gathered[seg.unit], send))
-            alive = sum(s for _, s in in_flight[:-1])  # the newest, as ever, not counted
-            if seg.unit != 0 or spec.reshard_after_forward:
-                was = was - {seg.unit}
-    # The optimizer step: all gradient shards, states, and per-parameter temporaries (AdamW's
-    # single-tensor path builds sqrt(v) and its scaled copy before the update).
-    temps = (2 if n_states == 2 else 0) * max(u.largest_shard_numel for u in units) * f32
-    ev = {
-        f"{host}sharded params": shard,
-        f"{host}sharded grads": shard,
-        f"{host}optimizer states": n_states * shard,
-        "optimizer temporaries": temps,
-    }
-    events.append(Event("optimizer step", ev))
-    return events
+            self._reduce(seg, gath)
+
+    def _reduce(self, seg: Segment, gath: int) -> None:
+        spec, u, engine_unit = self.spec, self.units[seg.unit], self.per_unit[seg.unit]
+        # Full gradients and the packed reduce-scatter input coexist for the copy-in; the new
+        # gradient shard is the output.
+        send = u.padded_numel * self.pbytes
+        if engine_unit.reduce_from_grads and spec.param_dtype != torch.float16:
+            send = 0
+        out = u.shard_numel * F32
+        if engine_unit.aliases:  # the gradients are the shards' gradients
+            send = out = 0
+        # make_room: earlier reductions stay in flight while those beyond the first (and this
+        # one) fit the window
+        in_flight = self.in_flight
+        while (
+            in_flight and sum(b for b, _ in in_flight[1:]) + self.gathered[seg.unit] > self.window
+        ):
+            in_flight.pop(0)
+        earlier = sum(s for _, s in in_flight)
+        at = (seg.reduce_at or 0, seg.reduce_grads, seg.reduce_hidden)
+        comm = self.pending + earlier + send + out
+        self._event(f"reduce-scatter of {u.name}", gath, comm, at)
+        self.reduced.add(seg.unit)  # its output buffer is now the gradient shards
+        self.pending = send if self.eng.reduce_pending and seg.unit != 0 else 0
+        in_flight.append((self.gathered[seg.unit], send))
+        self.alive = sum(s for _, s in in_flight[:-1])  # the newest, as ever, not counted
+        if seg.unit != 0 or spec.reshard_after_forward:
+            self.was = self.was - {seg.unit}
+
+    def optimizer_step(self) -> Event:
+        """All gradient shards, states, and per-parameter temporaries (AdamW's single-tensor
+        path builds sqrt(v) and its scaled copy before the update)."""
+        temps = (2 if self.n_states == 2 else 0) * max(u.largest_shard_numel for u in self.units)
+        host = self.host
+        ev = {
+            f"{host}sharded params": self.shard,
+            f"{host}sharded grads": self.shard,
+            f"{host}optimizer states": self.n_states * self.shard,
+            "optimizer temporaries": temps * F32,
+        }
+        return Event("optimizer step", ev)

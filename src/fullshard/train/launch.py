@@ -8,7 +8,7 @@ newest checkpoint), unless the failure is deterministic (see failures.py).
 
 [Note: Ctrl-C under the agent] The agent catches SIGINT/SIGTERM, forwards the same signal to
 every worker and gives them ``--stop-timeout`` seconds before SIGKILL. Workers finish the step,
-save and exit 0 (see loop.py); the agent then re-raises the signal as ``SignalException``.
+save and exit 0 (see session.py); the agent then re-raises the signal as ``SignalException``.
 We exit 0 when the run recorded a ``stop`` after the signal, else 128 + the signal number.
 """
 
