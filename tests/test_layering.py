@@ -27,6 +27,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "models": set(),  # models never import fullshard: sharding is applied from outside
     "peers": {"engine", "api"},  # loads the benchmarks' fullshard_peers package by name
     "optim": {"engine", "api", "optim"},
+    # RL post-training helpers (sleep / wake, one gather per rollout)
+    "rl": {"engine", "api", "rl"},
     "checkpoint": {"engine", "api", "checkpoint", "optim"},
     # FSDP1's API (FullyShardedDataParallel) on the engine: state dicts through checkpoint's
     # shard geometry

@@ -14,7 +14,10 @@ and module, ``torch.distributed._composable.fsdp[.fully_shard]``, ``torch.distri
 
 Code that reaches into FSDP2's state through ``fully_shard.state(module)`` (torch's pipelining
 stage up to torch 2.14) then gets fullshard's answer: fullshard's ``fully_shard`` carries
-``state`` itself (``fullshard.torch_state``).
+``state`` itself (``fullshard.torch_state``). The private helpers RL frameworks import
+(``_fsdp_state._get_module_fsdp_state``, ``_fsdp_init._get_post_forward_mesh_info``) are
+rebound the same way, to ``fullshard.torch_state``'s, which answer for fullshard's units and
+hand anything else to torch's ([Note: FSDP2's private names] there).
 
 FSDP1's class is rebound too: ``FullyShardedDataParallel`` (and the ``FSDP`` alias frameworks
 import it as) becomes ``fullshard.fsdp1.FullyShardedDataParallel`` in ``torch.distributed.fsdp``,
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from . import api
+from . import api, torch_state
 from .fsdp1 import FullyShardedDataParallel
 
 __all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
@@ -50,6 +53,8 @@ _REEXPORTERS = (
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
     "torch.distributed.pipelining.stage",
+    "torch.distributed.fsdp._fully_shard._fsdp_state",
+    "torch.distributed.fsdp._fully_shard._fsdp_init",
 )
 _NAMES = ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx")
 _FSDP1_NAMES = ("FullyShardedDataParallel", "FSDP")
@@ -89,6 +94,13 @@ def _originals() -> dict[int, _Replacement]:
         fsdp1 = importlib.import_module(_FSDP1_DEFINING)
         _TORCH_FUNCS["FullyShardedDataParallel"] = fsdp1.FullyShardedDataParallel
     out = {id(f): _Replacement((n,), ours[n]) for n, f in _TORCH_FUNCS.items() if n in ours}
+    # FSDP2's private helpers: fullshard's units answer, anything else goes to torch's
+    private = {
+        "_get_module_fsdp_state": torch_state.get_module_fsdp_state,
+        "_get_post_forward_mesh_info": torch_state.get_post_forward_mesh_info,
+    }
+    for name, f in torch_state.torch_originals().items():
+        out[id(f)] = _Replacement((name,), private[name])
     torch_class = _TORCH_FUNCS["FullyShardedDataParallel"]
     out[id(torch_class)] = _Replacement(
         _FSDP1_NAMES, FullyShardedDataParallel, _FSDP1_PACKAGE, _FSDP1_DEFINING
@@ -125,7 +137,8 @@ _LOCK = threading.Lock()
 
 
 def patch_torch_fsdp() -> TorchFSDPPatch:
-    """Replace torch's ``fully_shard`` (and its two helper functions) and FSDP1's
+    """Replace torch's ``fully_shard`` (its two helper functions and FSDP2's private
+    ``_get_module_fsdp_state`` / ``_get_post_forward_mesh_info``) and FSDP1's
     ``FullyShardedDataParallel`` class with fullshard's.
 
     Idempotent: a second call re-scans for modules imported since (patching those too) and

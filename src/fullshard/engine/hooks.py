@@ -315,7 +315,11 @@ class FSDPState:
         local = self.group.transport.local
         ctx.order.record_post_forward(self)
         if not torch.is_grad_enabled():
-            self.group.reshard()  # no backward will come for this forward
+            # No backward will come for this forward: free, unless the user asked to keep the
+            # unit (an explicit reshard_after_forward=False keeps it gathered, as FSDP2 does:
+            # a decode loop's forwards then gather it once; the root's default None frees)
+            if self.reshard_after_forward is not False:
+                self.group.reshard()
             if self.is_root:  # nor a gather soon
                 ctx.forward_without_backward()
         elif self.reshard_policy is True and not local:
