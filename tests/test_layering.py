@@ -32,6 +32,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     # shard geometry
     "fsdp1": {"engine", "api", "checkpoint", "fsdp1"},
     "memory": {"engine", "api", "memory", "models", "peers"},
+    # RL weight sync: publishes a sharded model's weights through the engine's collectives
+    "rl": {"engine", "api", "rl"},
     "train": {"engine", "api", "train", "checkpoint", "memory", "models", "optim", "peers"},
     # bench runs fullshard's FSDP1 wrapper too (its fsdp1-fullshard mode)
     "bench": {
@@ -44,6 +46,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "models",
         "optim",
         "peers",
+        "rl",
     },
     # `fullshard plan` (fullshard.memory.cli) speaks train's language (presets, config.toml):
     # a front-end at the tools' level; the planner itself (fullshard.memory) stays below train.
