@@ -75,6 +75,7 @@ class SyncReport:
     bytes_received: int = 0
     messages: int = 0  # messages sent (or received, on receivers)
     gathers: int = 0  # collectives this rank issued (count_collectives)
+    gather_bytes: int = 0  # what they moved (an all-gather counts its full output)
     changed: int = 0  # deltas: elements whose bits changed in this rank's rows
 
 
@@ -214,7 +215,7 @@ def send_full(
                 outbox.add(name, full.shape, full, (0,) * full.dim())
     if outbox is not None:
         outbox.close()
-    report.gathers = stats.calls()
+    report.gathers, report.gather_bytes = stats.calls(), stats.bytes()
     report.seconds = time.perf_counter() - t0
     return report
 
