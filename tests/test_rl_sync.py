@@ -142,3 +142,18 @@ def test_receiver_rank_gets_full_rows_and_deltas_bit_exact() -> None:
     assert all(d < rows for d in deltas), (deltas, rows)
     assert receiver["reports"][1].bytes_received == rows
     assert all(trainer0["reports"][i].changed > 0 for i in (2, 3, 4))
+
+
+def test_weight_sync_bench_checks_the_receiver() -> None:
+    from fullshard.bench.weight_sync import METHODS, WeightSyncConfig, run, table
+
+    cfg = WeightSyncConfig(n_layer=1, d_model=32, n_head=4, vocab_size=64, repeats=1, lr=1e-3)
+    result = run(cfg, timeout=240)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == list(METHODS)
+    assert all(r["weights_equal"] for r in rows.values())
+    weights = rows["full_tensor"]["messages"]  # one gather and one message per weight
+    assert rows["full_tensor"]["collective_calls"] == weights > 2
+    assert rows["publish"]["collective_calls"] == 1  # both units in one bucket
+    assert rows["rows"]["collective_calls"] == 0 and rows["delta"]["changed"] > 0
+    assert "| publish |" in table(result)

@@ -255,14 +255,32 @@ def send_deltas(
     return report
 
 
-def _recv_message(src: int) -> tuple[list[dict[str, object]], torch.Tensor, bool, int]:
-    sizes = torch.empty(3, dtype=torch.int64)
-    dist.recv(sizes, src, tag=_SIZES_TAG)
-    head, nbytes, last = (int(x) for x in sizes.tolist())
-    body = torch.empty(head + nbytes, dtype=torch.uint8)
-    dist.recv(body, src, tag=_BODY_TAG)
-    entries = json.loads(body[:head].numpy().tobytes())
-    return entries, body[head:], bool(last), 24 + body.numel()
+class _Incoming:
+    """A message being received from one sender: its sizes came, its body is in flight."""
+
+    def __init__(self, src: int) -> None:
+        self.src = src
+        sizes = torch.empty(3, dtype=torch.int64)
+        dist.recv(sizes, src, tag=_SIZES_TAG)
+        self.head, nbytes, last = (int(x) for x in sizes.tolist())
+        self.last = bool(last)
+        self.body = torch.empty(self.head + nbytes, dtype=torch.uint8)
+        self.work = dist.irecv(self.body, src, tag=_BODY_TAG)
+
+    @property
+    def nbytes(self) -> int:
+        return 24 + self.body.numel()
+
+    def apply(self, receiver: WeightReceiver) -> None:
+        """Wait for the body and apply its pieces."""
+        if self.work is not None:
+            self.work.wait()
+        entries = json.loads(self.body[: self.head].numpy().tobytes())
+        payload, at = self.body[self.head :], 0
+        for e in entries:
+            n = int(e["nbytes"])
+            _apply(receiver, e, payload[at : at + n])
+            at += _aligned(n)
 
 
 def _apply(receiver: WeightReceiver, entry: dict[str, object], data: torch.Tensor) -> None:
@@ -271,7 +289,7 @@ def _apply(receiver: WeightReceiver, entry: dict[str, object], data: torch.Tenso
     shape = torch.Size(entry["shape"])  # type: ignore[arg-type]
     offsets: tuple[int, ...] = tuple(entry["offsets"])  # type: ignore[arg-type]
     if kind == "xor":
-        mask = decode_xor(data.numpy().tobytes(), shape, dtype)
+        mask = decode_xor(data.numpy().data, shape, dtype)
         receiver.apply_xor(name, mask, offsets, dtype)
     elif kind == "set":
         receiver.apply_piece(name, data.view(dtype).view(shape), offsets)
@@ -281,18 +299,16 @@ def _apply(receiver: WeightReceiver, entry: dict[str, object], data: torch.Tenso
 
 def receive(receiver: WeightReceiver, srcs: tuple[int, ...] | list[int]) -> SyncReport:
     """Receive and apply every message from each global rank in ``srcs`` (full buckets, rows or
-    deltas; [Note: messages]) until each has sent its last."""
+    deltas; [Note: messages]) until each has sent its last. Each round takes one message from
+    every sender still sending, all bodies in flight while the first ones are applied."""
     report, t0 = SyncReport(), time.perf_counter()
-    for src in srcs:
-        last = False
-        while not last:
-            entries, payload, last, nbytes = _recv_message(src)
+    active = list(srcs)
+    while active:
+        round_ = [_Incoming(src) for src in active]
+        for msg in round_:
+            msg.apply(receiver)
             report.messages += 1
-            report.bytes_received += nbytes
-            at = 0
-            for e in entries:
-                n = int(e["nbytes"])  # type: ignore[call-overload]
-                _apply(receiver, e, payload[at : at + n])
-                at += _aligned(n)
+            report.bytes_received += msg.nbytes
+        active = [msg.src for msg in round_ if not msg.last]
     report.seconds = time.perf_counter() - t0
     return report
