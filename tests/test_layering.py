@@ -27,7 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "models": set(),  # models never import fullshard: sharding is applied from outside
     "peers": {"engine", "api"},  # loads the benchmarks' fullshard_peers package by name
     "optim": {"engine", "api", "optim"},
-    # RL post-training helpers (sleep / wake, one gather per rollout)
+    # RL post-training: weight sync, sleep/wake and rollouts through the engine and the API
     "rl": {"engine", "api", "rl"},
     "checkpoint": {"engine", "api", "checkpoint", "optim"},
     # FSDP1's API (FullyShardedDataParallel) on the engine: state dicts through checkpoint's
@@ -46,6 +46,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "models",
         "optim",
         "peers",
+        "rl",
     },
     # `fullshard plan` (fullshard.memory.cli) speaks train's language (presets, config.toml):
     # a front-end at the tools' level; the planner itself (fullshard.memory) stays below train.

@@ -8,6 +8,7 @@ Examples::
     fullshard bench --config overhead     # engine CPU cost per unit per step, 1 and 2 ranks
     fullshard bench --all --markdown out.md
     fullshard bench --config optim --nproc 4  # WholeTensor(Muon) vs AdamW vs naive, per step
+    fullshard bench --config weight-sync      # trainer -> inference weight sync, 4 ways
     fullshard bench --config comm --modes fullshard deepspeed single  # vs DeepSpeed ZeRO-3
     fullshard bench --modes fullshard,fsdp1-fullshard,fsdp1,fsdp2  # FSDP1's wrapper, both
 
@@ -88,10 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--config",
-        choices=sorted([*CONFIGS, "overhead", "optim"]),
+        choices=sorted([*CONFIGS, "overhead", "optim", "weight-sync"]),
         default="speed",
         help="overhead: many tiny units, engine cost per unit per step vs the bare model; "
-        "optim: the optimizer step of Muon on whole matrices vs AdamW vs all-gather-all",
+        "optim: the optimizer step of Muon on whole matrices vs AdamW vs all-gather-all; "
+        "weight-sync: training ranks' weights to an inference rank (full_tensor per weight, "
+        "fullshard.rl's publisher, shard rows, XOR deltas)",
     )
     p.add_argument("--all", action="store_true", help="run speed, comm and memory")
     p.add_argument("--nproc", help="ranks, or a comma list of world sizes (e.g. 1,2,4)")
@@ -226,6 +229,10 @@ def main(argv: list[str]) -> int:
         from fullshard.bench import optim
 
         return optim.main(args)
+    if args.config == "weight-sync":
+        from fullshard.bench import weight_sync
+
+        return weight_sync.main(args)
     wrong = _given(args, _OVERHEAD_ONLY)
     if wrong:
         print(f"fullshard bench: {wrong} apply to --config overhead only", file=sys.stderr)

@@ -1,0 +1,136 @@
+"""Checkpoint names and shard geometry of a sharded model's weights, for publishing them.
+
+[Note: checkpoint names]
+An inference engine loads weights by the names of the model's Hugging Face checkpoint. A trained
+model's ``named_parameters()`` may carry the names of wrappers around its modules:
+``_fsdp_wrapped_module.`` (FSDP1's wrapper), ``_orig_mod.`` (``torch.compile``) and
+``_checkpoint_wrapped_module.`` (activation checkpointing). :func:`checkpoint_name` drops those
+path components, and :func:`named_weights` lists each parameter once: a tied weight
+(``lm_head.weight`` sharing ``model.embed_tokens.weight``) appears under its first name only, as
+``save_pretrained`` writes it.
+
+[Note: shard geometry]
+fullshard stores a parameter as a ``DTensor`` with ``Shard(d)`` on its shard mesh dimension
+(``Shard(0)`` unless ``shard_placement_fn`` says otherwise), ``Replicate()`` on an HSDP
+replicate dimension. Rank ``r`` of the ``k``-rank shard group holds indices
+``[r * c, min((r + 1) * c, n))`` of dim ``d`` with ``c = ceil(n / k)`` (``torch.chunk``), so
+trailing ranks may hold fewer or none. :class:`Geometry` is that description; a plain tensor
+(not sharded) is a group of one rank holding everything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = [
+    "WRAPPER_NAMES",
+    "Geometry",
+    "checkpoint_name",
+    "geometry",
+    "local_tensor",
+    "named_weights",
+]
+
+#: Path components of wrappers, dropped from parameter names ([Note: checkpoint names]).
+WRAPPER_NAMES: frozenset[str] = frozenset(
+    {"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"}
+)
+
+
+def checkpoint_name(fqn: str) -> str:
+    """``fqn`` without wrapper components: ``_orig_mod.layers.0._checkpoint_wrapped_module.w``
+    becomes ``layers.0.w``."""
+    return ".".join(p for p in fqn.split(".") if p not in WRAPPER_NAMES)
+
+
+def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, parameter)`` for every parameter of ``model``, tied ones once.
+
+    Raises ``ValueError`` if two different parameters end up with the same name.
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: dict[str, str] = {}
+    for fqn, p in model.named_parameters():  # remove_duplicate=True: a tied weight once
+        name = checkpoint_name(fqn)
+        if name in seen:
+            raise ValueError(
+                f"parameters {seen[name]!r} and {fqn!r} both publish as {name!r}; "
+                "rename one of them"
+            )
+        seen[name] = fqn
+        out.append((name, p))
+    return out
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How one parameter is split over its shard group ([Note: shard geometry])."""
+
+    shape: torch.Size  # ND, global
+    dim: int  # the sharded dim
+    world: int  # ranks of the shard group
+    rank: int  # this rank's index in it
+    group: dist.ProcessGroup | None  # None: not sharded (world 1)
+
+    @property
+    def chunk(self) -> int:
+        """Indices of ``dim`` per rank before tail padding (``ceil(n / world)``)."""
+        return math.ceil(self.shape[self.dim] / self.world) if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per index of ``dim`` (the product of the other dims)."""
+        return math.prod(s for i, s in enumerate(self.shape) if i != self.dim)
+
+    def start(self, rank: int) -> int:
+        """First index of ``dim`` that ``rank`` holds."""
+        return min(rank * self.chunk, self.shape[self.dim]) if self.shape else 0
+
+    def rows(self, rank: int) -> int:
+        """Indices of ``dim`` that ``rank`` holds (0 for trailing ranks of a short dim)."""
+        if not self.shape:
+            return 1
+        return max(0, min(self.chunk, self.shape[self.dim] - rank * self.chunk))
+
+    def piece_shape(self, rank: int) -> torch.Size:
+        """The shape of ``rank``'s piece."""
+        shape = list(self.shape)
+        if shape:
+            shape[self.dim] = self.rows(rank)
+        return torch.Size(shape)
+
+
+def geometry(name: str, param: torch.Tensor) -> Geometry:
+    """The shard geometry of ``param`` (published as ``name``, for errors)."""
+    if not isinstance(param, DTensor):
+        return Geometry(param.shape, 0, 1, 0, None)
+    placements = param.placements
+    shard = [i for i, p in enumerate(placements) if type(p) is Shard]
+    others = [
+        p for i, p in enumerate(placements) if i not in shard and not isinstance(p, Replicate)
+    ]
+    if len(shard) > 1 or others:
+        raise ValueError(
+            f"{name!r} has placements {tuple(placements)}; publishing handles fully sharded "
+            "parameters (one Shard(d), Replicate() elsewhere), not tensor parallel ones"
+        )
+    if not shard:  # replicated on every mesh dim: every rank holds it whole
+        return Geometry(param.shape, 0, 1, 0, None)
+    i = shard[0]
+    mesh = param.device_mesh
+    placement = placements[i]
+    assert isinstance(placement, Shard)
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    return Geometry(param.shape, dim, mesh.size(i), mesh.get_local_rank(i), mesh.get_group(i))
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``param`` as a plain tensor (the whole tensor if not sharded)."""
+    data = param._local_tensor if isinstance(param, DTensor) else param
+    return data.detach()

@@ -1,0 +1,205 @@
+"""The distributed cases of ``tests/test_rl_sync.py`` (importable, so forkserver ranks can run
+them): a tiny Hugging Face Llama, built locally, trained under fullshard and published.
+
+The Llama has uneven dims (a 67-token vocabulary over 2 ranks: 34 + 33 rows), tied embeddings
+and, in the naming case, a checkpoint-wrapped block under ``torch.compile``'s ``_orig_mod``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+
+from fullshard import count_collectives, fully_shard
+from fullshard.rl import (
+    Receivers,
+    ShardDeltas,
+    WeightReceiver,
+    publish,
+    receive,
+    send_deltas,
+    send_full,
+    send_rows,
+    shard_rows,
+)
+from fullshard.rl import weights as publish_module
+from fullshard.rl.delta import bits, decode_xor
+
+VOCAB = 67
+
+
+def make_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A 2-layer, 32-wide Llama with tied embeddings (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def shard_llama(model: nn.Module, mesh: DeviceMesh | None = None, wrap: bool = False) -> None:
+    """fully_shard each decoder layer (the first checkpoint-wrapped if ``wrap``), then the root."""
+    layers = model.model.layers  # type: ignore[union-attr]
+    if wrap:
+        layers[0] = checkpoint_wrapper(layers[0])
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    """``steps`` AdamW steps on random tokens (the same on every training rank)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The oracle: every parameter's ``full_tensor()`` in ``dtype``, by HF name (tied once)."""
+    out = {}
+    for fqn, p in model.named_parameters():
+        name = fqn.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        out[name] = p.full_tensor().to(dtype)  # type: ignore[attr-defined]
+    return out
+
+
+def _publish_cases(model: nn.Module) -> dict[str, Any]:
+    """Names, values, gathers per bucket and the pipelining order of ``publish``."""
+    res: dict[str, Any] = {}
+    oracle = full_weights(model, torch.bfloat16)
+    for label, bucket in (("tiny", 1), ("one", 1 << 30)):
+        with count_collectives() as stats:
+            got = list(publish(model, dtype=torch.bfloat16, bucket_bytes=bucket))
+        res[f"{label}_names"] = [n for n, _ in got]
+        res[f"{label}_exact"] = all(
+            t.dtype == torch.bfloat16 and torch.equal(t, oracle[n]) for n, t in got
+        )
+        res[f"{label}_gathers"] = stats.calls("all_gather")
+        res[f"{label}_bytes"] = stats.bytes("all_gather")
+        res[f"{label}_dtypes"] = sorted({str(r.dtype) for r in stats.records})
+    res["oracle_names"] = list(oracle)
+    res["hf_names"] = [n for n, _ in make_llama().named_parameters()]
+    res["wire_numel"] = sum(t.numel() for t in oracle.values())
+    # Pipelining: bucket i + 1's gather is issued before bucket i's first tensor is consumed.
+    events: list[str] = []
+    real = publish_module.collectives.all_gather
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        events.append("issue")
+        return real(*args, **kwargs)
+
+    publish_module.collectives.all_gather = spy  # type: ignore[assignment]
+    try:
+        last = None
+        for name, _ in publish(model, dtype=torch.bfloat16, bucket_bytes=1):
+            unit = name.split(".")[2] if name.startswith("model.layers.") else "root"
+            if unit != last:
+                events.append(f"consume {unit}")
+                last = unit
+    finally:
+        publish_module.collectives.all_gather = real  # type: ignore[assignment]
+    res["events"] = events
+    return res
+
+
+def _rows_and_delta_cases(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Shard rows against full_tensor(); a row-split receiver; XOR deltas bit for bit."""
+    res: dict[str, Any] = {}
+    oracle = full_weights(model, torch.bfloat16)
+    rows = shard_rows(model, dtype=torch.bfloat16)
+    res["rows_exact"] = all(
+        torch.equal(r.local, oracle[r.name].narrow(r.dim, r.start, r.stop - r.start)) for r in rows
+    )
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    split = [
+        WeightReceiver.row_split(make_llama(seed=5, dtype=torch.bfloat16), i, 3) for i in range(3)
+    ]
+    for rank_rows in everyone:
+        for r in rank_rows:
+            for recv in split:
+                recv.apply_rows(r)
+    res["split_exact"] = all(
+        torch.equal(t, oracle[n][recv.offsets(n)[0] :][: t.shape[0]])
+        for recv in split
+        for n, t in recv.weights.items()
+    )
+    deltas = ShardDeltas(model, dtype=torch.bfloat16)
+    old = {r.name: bits(r.local).clone() for r in shard_rows(model, dtype=torch.bfloat16)}
+    train(model, opt, 1, seed=9)
+    new = {r.name: bits(r.local) for r in shard_rows(model, dtype=torch.bfloat16)}
+    ds = deltas.delta()
+    res["delta_exact"] = all(
+        torch.equal(old[d.name] ^ decode_xor(d.encode(), d.mask.shape, d.dtype), new[d.name])
+        for d in ds
+    )
+    res["delta_changed"] = sum(d.changed for d in ds)
+    res["delta_bytes"] = sum(len(d.encode()) for d in ds)
+    res["raw_bytes"] = sum(d.mask.numel() * 2 for d in ds)
+    res["second_delta_changed"] = sum(d.changed for d in deltas.delta())  # nothing since
+    return res
+
+
+def trainer_cases() -> dict[str, Any]:
+    """2 training ranks: publish (names under wrappers, values, gathers, order), rows, deltas."""
+    model = make_llama()
+    shard_llama(model, wrap=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, 2, seed=1)
+    compiled = torch.compile(model)  # never run: only its ``_orig_mod.`` names matter here
+    res = _publish_cases(compiled)
+    res["wrapped_fqns"] = [n for n, _ in compiled.named_parameters()][:3]
+    res.update(_rows_and_delta_cases(model, opt))
+    return res
+
+
+def _snapshot(receiver: WeightReceiver) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in receiver.weights.items()}
+
+
+def sync_world() -> dict[str, Any]:
+    """Training ranks 0-1 (their own mesh) and an inference rank 2 holding a bf16 HF Llama:
+    full, rows, then three steps of deltas; each stage's weights returned for the parent."""
+    rank = dist.get_rank()
+    trainers = dist.new_group([0, 1])
+    to = Receivers(ranks=(2,))
+    out: dict[str, Any] = {"stages": [], "reports": []}
+    if rank == 2:
+        receiver = WeightReceiver(make_llama(seed=7, dtype=torch.bfloat16))
+        for _stage in range(5):
+            out["reports"].append(receive(receiver, (0,) if _stage == 0 else (0, 1)))
+            out["stages"].append(_snapshot(receiver))
+        return out
+    model = make_llama()
+    shard_llama(model, DeviceMesh.from_group(trainers, "cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    train(model, opt, 1, seed=3)
+    out["reports"].append(send_full(model, to, dtype=torch.bfloat16, bucket_bytes=1 << 14))
+    out["stages"].append(full_weights(model, torch.bfloat16))
+    train(model, opt, 2, seed=4)
+    out["reports"].append(send_rows(model, to, dtype=torch.bfloat16))
+    out["stages"].append(full_weights(model, torch.bfloat16))
+    deltas = ShardDeltas(model, dtype=torch.bfloat16)
+    for step in range(3):
+        train(model, opt, 1, seed=10 + step)
+        out["reports"].append(send_deltas(deltas, to))
+        out["stages"].append(full_weights(model, torch.bfloat16))
+    return out

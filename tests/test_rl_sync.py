@@ -1,0 +1,159 @@
+"""fullshard.rl: publishing weights, shard rows, XOR deltas and a receiver, against
+``full_tensor()`` (the distributed cases live in ``tests/rl_sync_cases.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from fullshard.rl import (
+    DeltaRows,
+    Receivers,
+    WeightReceiver,
+    checkpoint_name,
+    decode_xor,
+    encode_xor,
+)
+from fullshard.rl.delta import bits
+from fullshard.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+
+def test_checkpoint_names_drop_wrappers() -> None:
+    assert checkpoint_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.w") == (
+        "model.layers.0.mlp.w"
+    )
+    assert checkpoint_name("_fsdp_wrapped_module.layers.1.w") == "layers.1.w"
+    assert checkpoint_name("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_xor_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    old = torch.randn(37, 5).to(dtype)
+    new = old.clone()
+    new[3:9] += 0.5  # a few rows change
+    new[20, 2] = float("nan")  # any bit pattern round-trips
+    mask = bits(new) ^ bits(old)
+    payload = encode_xor(mask)
+    assert len(payload) < mask.numel() * mask.element_size()  # mostly zeros compress
+    restored = bits(old.clone()) ^ decode_xor(payload, mask.shape, dtype)
+    assert torch.equal(restored, bits(new))
+
+
+def test_receiver_applies_the_overlap_of_any_layout() -> None:
+    full = torch.arange(70.0).view(14, 5)
+    recv = WeightReceiver.row_split({"w": torch.zeros(14, 5)}, 1, 3)  # rows 5..9
+    assert recv.offsets("w") == (5, 0)
+    # a training rank's rows 4..10 of a Shard(0) layout, and a Shard(1) piece: columns 2..4
+    assert recv.apply_piece("w", full[4:11], (4, 0)) == 25
+    assert torch.equal(recv.weights["w"], full[5:10])
+    recv.weights["w"].zero_()
+    recv.apply_piece("w", full[:, :2], (0, 0))
+    recv.apply_piece("w", full[:, 2:], (0, 2))
+    assert torch.equal(recv.weights["w"], full[5:10])
+    # a delta XORs only the overlap; a piece outside it writes nothing
+    new = full.clone()
+    new[6] += 1
+    mask = bits(new) ^ bits(full)
+    d = DeltaRows("w", full.shape, full.dtype, 0, 0, 14, mask, int(mask.count_nonzero()))
+    recv.apply_delta(d)
+    assert torch.equal(recv.weights["w"], new[5:10])
+    assert recv.apply_piece("w", full[:3], (0, 0)) == 0
+
+
+def test_receiver_errors_name_the_weight() -> None:
+    recv = WeightReceiver({"w": torch.zeros(4, dtype=torch.bfloat16)})
+    with pytest.raises(KeyError, match="no weight 'v'"):
+        recv.apply_full("v", torch.zeros(4))
+    mask = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"delta of 'w' in torch\.float32 cannot apply"):
+        recv.apply_xor("w", mask, (0,), torch.float32)
+
+
+def test_receivers_box_splits_rows_like_torch_chunk() -> None:
+    to = Receivers(ranks=(2, 3, 4), split_rows=True)
+    shape = torch.Size([7, 2])
+    assert [to.box(i, shape) for i in range(3)] == [
+        ((0, 0), (3, 2)),
+        ((3, 0), (3, 2)),
+        ((6, 0), (1, 2)),
+    ]
+    assert Receivers(ranks=(2,)).box(0, shape) == ((0, 0), (7, 2))
+
+
+def test_trainer_side_on_two_ranks() -> None:
+    from rl_sync_cases import trainer_cases
+
+    results = run_distributed(trainer_cases, 2, timeout=240)
+    for rank, res in enumerate(results):
+        assert res["oracle_names"] == res["hf_names"], rank  # no wrapper prefixes, tied once
+        assert res["wrapped_fqns"][0].startswith("_orig_mod.")
+        for label in ("tiny", "one"):
+            names = res[f"{label}_names"]  # in bucket order, each once
+            assert sorted(names) == sorted(res["hf_names"]) and len(set(names)) == len(names)
+            assert res[f"{label}_exact"], (rank, label)
+            assert res[f"{label}_dtypes"] == ["torch.bfloat16"]  # cast before the gather
+        assert res["tiny_gathers"] == 3  # one per unit: root and two layers
+        assert res["one_gathers"] == 1  # the units share one bucket
+        assert res["one_bytes"] >= 2 * res["wire_numel"]  # bf16 on the wire, padded
+        assert res["one_bytes"] < 2 * res["wire_numel"] * 1.1
+        assert res["events"] == [
+            "issue",
+            "issue",
+            "consume root",
+            "issue",
+            "consume 0",
+            "consume 1",
+        ]
+        assert res["rows_exact"] and res["split_exact"], rank
+        assert res["delta_exact"], rank
+        assert res["delta_changed"] > 0 and res["second_delta_changed"] == 0
+        assert res["delta_bytes"] < res["raw_bytes"]
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert list(got) == list(want), what
+    bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
+    assert not bad, f"{what}: {bad[:4]} differ"
+
+
+def test_receiver_rank_gets_full_rows_and_deltas_bit_exact() -> None:
+    from rl_sync_cases import sync_world
+
+    trainer0, trainer1, receiver = run_distributed(sync_world, 3, timeout=240)
+    stages = ("full", "rows", "delta 1", "delta 2", "delta 3")
+    for i, what in enumerate(stages):
+        _assert_same(receiver["stages"][i], trainer0["stages"][i], what)
+        _assert_same(trainer1["stages"][i], trainer0["stages"][i], what)
+    assert not all(
+        torch.equal(receiver["stages"][2][n], receiver["stages"][4][n])
+        for n in receiver["stages"][2]
+    )  # the weights did move
+    full: Any = trainer0["reports"][0]
+    assert full.gathers == 3 and trainer1["reports"][0].bytes_sent == 0  # rank 0 sends
+    rows = trainer0["reports"][1].bytes_sent + trainer1["reports"][1].bytes_sent
+    deltas = [
+        trainer0["reports"][i].bytes_sent + trainer1["reports"][i].bytes_sent for i in (2, 3, 4)
+    ]
+    assert all(d < rows for d in deltas), (deltas, rows)
+    assert receiver["reports"][1].bytes_received == rows
+    assert all(trainer0["reports"][i].changed > 0 for i in (2, 3, 4))
+
+
+def test_weight_sync_bench_checks_the_receiver() -> None:
+    from fullshard.bench.weight_sync import METHODS, WeightSyncConfig, run, table
+
+    cfg = WeightSyncConfig(n_layer=1, d_model=32, n_head=4, vocab_size=64, repeats=1, lr=1e-3)
+    result = run(cfg, timeout=240)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == list(METHODS)
+    assert all(r["weights_equal"] for r in rows.values())
+    weights = rows["full_tensor"]["messages"]  # one gather and one message per weight
+    assert rows["full_tensor"]["collective_calls"] == weights > 2
+    assert rows["publish"]["collective_calls"] == 1  # both units in one bucket
+    assert rows["rows"]["collective_calls"] == 0 and rows["delta"]["changed"] > 0
+    assert "| publish |" in table(result)
