@@ -204,13 +204,10 @@ class _GroupView:
             value = True if size == self._state.group.world else size
         _unit(self._state).set_reshard_after_forward(value, recurse=False)
 
-    @property
-    def _training_state(self) -> Any:
-        return _torch_training_state(self._state)
-
-    @_training_state.setter
-    def _training_state(self, value: Any) -> None:
-        _set_training_state(self._state, value)
+    _training_state = property(  # torch's TrainingState, read and set
+        lambda self: _torch_training_state(self._state),
+        lambda self, value: _set_training_state(self._state, value),
+    )
 
     def unshard(self, async_op: bool = False) -> None:
         _unit(self._state).unshard(async_op=async_op)
@@ -270,13 +267,10 @@ class _StateView:
     def _mp_policy(self) -> Any:
         return self._state.mp_policy
 
-    @property
-    def _training_state(self) -> Any:
-        return _torch_training_state(self._state)
-
-    @_training_state.setter
-    def _training_state(self, value: Any) -> None:
-        _set_training_state(self._state, value)
+    _training_state = property(  # torch's TrainingState, read and set
+        lambda self: _torch_training_state(self._state),
+        lambda self, value: _set_training_state(self._state, value),
+    )
 
     @property
     def _auto_reshard_after_forward(self) -> bool:
