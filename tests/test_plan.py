@@ -203,3 +203,12 @@ def test_plan_budget_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     assert "over the budget 9.8 KiB" in captured.out and " 0.0 MiB" not in captured.out
     assert "nothing tried fits the budget 9.8 KiB" in captured.err
+
+
+def test_plan_budget_with_every_saving_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """Offload, full AC, micro-batch 1 and bf16 already on: no option left, one clear line."""
+    args = ["--preset", "tiny", "--offload", "--ac", "full", "--batch", "1", "--dtype", "bf16"]
+    assert main([*args, "--budget", "1KiB"]) == 1
+    captured = capsys.readouterr()
+    assert "every saving is already on" in captured.out
+    assert captured.err.count("\n") == 1 and "nothing tried fits the budget 1.0 KiB" in captured.err

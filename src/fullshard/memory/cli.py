@@ -514,8 +514,9 @@ def main(argv: list[str]) -> int:
         else:
             opts = recommend(spec, budget)
             fit = [o for o in opts if o.peak <= budget]
+            more = "options, cheapest first:" if opts else "every saving is already on"
             text.append(
-                f"\nover the budget {_fmt(budget)} by {_fmt(p.peak.total - budget)}; options, cheapest first:"
+                f"\nover the budget {_fmt(budget)} by {_fmt(p.peak.total - budget)}; {more}"
             )
             text += [f"  {_fmt(o.peak):>12}  {o.change}  ({o.cost})" for o in opts]
             if fit:
@@ -534,9 +535,10 @@ def main(argv: list[str]) -> int:
     else:
         print("\n".join(text))
     if status:
+        smallest = min((o.peak for o in opts), default=p.peak.total)
         print(
             f"fullshard plan: error: nothing tried fits the budget {_fmt(budget or 0)} per rank "
-            f"(the smallest option needs {_fmt(min(o.peak for o in opts))}); raise --budget, "
+            f"(the smallest option needs {_fmt(smallest)}); raise --budget, "
             "use more ranks or a smaller model",
             file=sys.stderr,
         )
