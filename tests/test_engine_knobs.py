@@ -75,7 +75,7 @@ def _knobs() -> dict:
 
     # implicit prefetch: while block i computes (forward) the all-gather of block i+1 is in
     # flight, and while block i computes its backward, block i-1's is
-    from fullshard.api import _state
+    from fullshard.module import unit_state as _state
 
     model = shard_net(make_net())
     opt = make_optimizer(model)

@@ -99,7 +99,7 @@ def _accumulation_dtype() -> str:
     model.set_requires_gradient_sync(False)
     x, y = batch(0)
     loss_fn(model(x[:2]), y[:2]).backward()
-    from fullshard.api import _state
+    from fullshard.module import unit_state as _state
 
     sp = _state(model.blocks[0]).group.params[0]
     assert sp.unsharded_accum_grad is not None

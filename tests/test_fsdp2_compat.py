@@ -33,6 +33,7 @@ from fullshard.engine.compat import (
 from fullshard.engine.events import record_events
 from fullshard.engine.hooks import FSDPState
 from fullshard.engine.state import TrainingState
+from fullshard.module import unit_state
 from fullshard.testing import run_distributed
 from parity import reused_gathers
 from test_composition_extra import BitsGather
@@ -195,7 +196,16 @@ def _identity_and_validation() -> None:
     assert all(isinstance(u, tfsdp.FSDPModule) for u in units)
     assert type(model[0]) is type(model[1])  # one FSDP class per original class
     assert all(getattr(m, "_is_fsdp_managed_module", False) for m in model.modules())
-    assert isinstance(model._get_fsdp_state(), FSDPState)
+    assert isinstance(unit_state(model), FSDPState)
+    # code written for FSDP2 reads FSDPState's shape through _get_fsdp_state() (verl's
+    # fallback, trainers' gradient probes): the unit's own parameters, its mesh, lazy init
+    torch_shaped = model[0]._get_fsdp_state()
+    assert torch_shaped == model[0]._get_fsdp_state() != model._get_fsdp_state()
+    group = torch_shaped._fsdp_param_group
+    shards = [p.sharded_param for p in group.fsdp_params]
+    assert len(shards) == 2 and all(a is b for a, b in zip(shards, model[0].parameters()))
+    assert group.mesh_info.shard_mesh_size == dist.get_world_size()
+    assert len(torch_shaped._fsdp_param_groups[0].fsdp_params) == 2
     model.to("cpu")  # _apply runs fullshard's code only (torch's would need torch's state)
 
     # slicing a sharded Sequential builds a plain Sequential; indexing returns the unit
@@ -280,13 +290,13 @@ def _methods() -> dict[str, Any]:
     # on a CPU unit the process group's allocator is torch.empty (gloo has none): accepted,
     # nothing changes (as FSDP2); symmetric memory needs CUDA
     model.set_allocate_memory_from_process_group_for_comm(True)
-    assert model._get_fsdp_state().group.overrides.all_gather is None
+    assert unit_state(model).group.overrides.all_gather is None
     if has_method("set_symm_mem_for_comm"):  # torch 2.12
         with pytest.raises(
             RuntimeError, match=r"on unit 'Sequential \(root\)'.*needs CUDA and an NCCL"
         ):
             model.set_symm_mem_for_comm()
-        assert model._get_fsdp_state().group.overrides.all_gather is None  # nothing was set
+        assert unit_state(model).group.overrides.all_gather is None  # nothing was set
         with pytest.raises(ValueError, match="NCCL"):
             model.set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
     model.set_post_optim_event(torch.Event("cpu"))  # accepted on CPU, as FSDP2 (no-op)
@@ -302,7 +312,7 @@ def _methods() -> dict[str, Any]:
     fullshard.share_comm_ctx([a, b])
     for m in (a, b, c):
         m(x)
-    streams = [m._get_fsdp_state().ctx.comm.streams for m in (a, b, c)]
+    streams = [unit_state(m).ctx.comm.streams for m in (a, b, c)]
     assert streams[0] is streams[1] and streams[2] is not streams[0]
     with pytest.raises(RuntimeError, match="before the first forward"):
         fullshard.share_comm_ctx([a, b])
@@ -633,7 +643,7 @@ def _separate_reduce_group() -> dict[str, Any]:
     groups = {st.group.overrides.reduce_scatter_group for st in fullshard.api._all_states(model)}
     model.set_separate_reduce_scatter_group(True)  # again: the same group
     again = {st.group.overrides.reduce_scatter_group for st in fullshard.api._all_states(model)}
-    shard_group = model._get_fsdp_state().group.info.shard_group
+    shard_group = unit_state(model).group.info.shard_group
     seen: list[tuple[str, Any]] = []
     start = C._start
 
@@ -657,7 +667,7 @@ def _separate_reduce_group() -> dict[str, Any]:
     assert {g for k, g in seen if k == "reduce_scatter"} == {rs_group}
     assert len([k for k, _ in seen if k == "reduce_scatter"]) == stats.calls("reduce_scatter") == 8
     model.set_separate_reduce_scatter_group(False)
-    assert model._get_fsdp_state().group.reduce_group is shard_group
+    assert unit_state(model).group.reduce_group is shard_group
     return out
 
 
@@ -680,10 +690,10 @@ def _compat_cases() -> dict[str, Any]:
 def _finalized(model: Any) -> bool:
     """Whether the backward just run ended the step: fullshard waited for every reduction;
     FSDP2 cleared its post-forward order (what it keeps for the next backward otherwise)."""
-    state = model._get_fsdp_state()
-    if isinstance(state, FSDPState):  # fullshard's
+    if isinstance(model, fullshard.FSDPModule):
+        state = unit_state(model)
         return not state.ctx.pending and not state.ctx.replicating
-    return not state._comm_ctx.post_forward_order
+    return not model._get_fsdp_state()._comm_ctx.post_forward_order
 
 
 def _last_backward_on_a_child() -> dict[str, Any]:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.module import unit_state
 from fullshard.testing import free_port
 from parity import batch, full_state, loss_fn, make_net, make_optimizer, shard_net
 
@@ -98,7 +99,7 @@ def test_comm_buffers_from_backend(nccl, source: str) -> None:
             unit.set_allocate_memory_from_process_group_for_comm(True)
         else:
             unit.set_symm_mem_for_comm()
-        ov = unit._get_fsdp_state().group.overrides
+        ov = unit_state(unit).group.overrides
         assert isinstance(ov.all_gather, BackendAllGather) and ov.all_gather.source == source
         assert isinstance(ov.reduce_scatter, BackendReduceScatter)
         for comm in (ov.all_gather, ov.reduce_scatter):
@@ -118,7 +119,7 @@ def test_comm_buffers_from_backend(nccl, source: str) -> None:
         with pytest.raises(AssertionError, match="use one of them"):
             units[0].set_symm_mem_for_comm()
         units[0].set_allocate_memory_from_process_group_for_comm(False)
-        assert units[0]._get_fsdp_state().group.overrides.all_gather is None
+        assert unit_state(units[0]).group.overrides.all_gather is None
 
 
 def test_post_optim_event_waited_once(nccl) -> None:

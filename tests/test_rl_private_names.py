@@ -1,5 +1,5 @@
 """FSDP2's private names, as verl and torchtitan call them, answer for fullshard's units under
-``patch_torch_fsdp()`` ([Note: FSDP2's private names] in ``fullshard.torch_state``).
+``patch_torch_fsdp()`` (and ``module._get_fsdp_state()`` without it) ([Note: FSDP2's private names] in ``fullshard.torch_state``).
 
 The helpers below reproduce the callers' code (imports inside the function, as they write
 them): verl's veomni offload helper (``_get_module_fsdp_state``, ``TrainingState``,
@@ -134,6 +134,13 @@ def _verl_calls() -> dict[str, Any]:
         _fsdp_state._get_module_fsdp_state,
         _fsdp_init._get_post_forward_mesh_info,
     ) == originals
+    # no patch: code reaching the state through module._get_fsdp_state() (verl's fallback)
+    fallback = model.blocks[1]._get_fsdp_state()  # type: ignore[operator]
+    fallback._auto_reshard_after_forward = False
+    fallback._fsdp_param_group.post_forward_mesh_info = None  # keep after forward
+    with torch.no_grad():
+        model(x)
+    out["fallback_kept"] = [st.group.unsharded_bytes_allocated > 0 for st in states[1:]]
     return out
 
 
@@ -183,6 +190,7 @@ def test_fsdp_params_and_undo(verl: dict[str, Any]) -> None:
     for (_, orig, sharded), (shape, rows) in zip(verl["params"], verl["shapes"]):
         assert orig == shape and sharded[0] == rows
     assert verl["restored"]
+    assert verl["fallback_kept"] == [False, True, False]  # block 1 keeps, through the view
 
 
 def test_torchtitan_mesh_info_hsdp() -> None:

@@ -19,6 +19,7 @@ from fullshard.engine.state import (
     training_transition,
     transition,
 )
+from fullshard.module import unit_state
 from fullshard.testing import run_distributed
 
 
@@ -71,7 +72,7 @@ def _out_of_order() -> dict[str, str]:
     fully_shard(model)
     loss = model(torch.randn(2, 8)).sum()
     loss.backward()
-    state = model[0]._get_fsdp_state()
+    state = unit_state(model[0])
     out = {}
     moves = {
         "setter": lambda: setattr(state, "training_state", TrainingState.PRE_BACKWARD),

@@ -13,6 +13,7 @@ import torch.distributed.fsdp as tfsdp
 
 from fullshard import GradientReductionHandle, MixedPrecisionPolicy
 from fullshard.engine.compat import MP_HAS_PARAM_DTYPE_OVERRIDE
+from fullshard.module import unit_state
 from fullshard.testing import run_distributed
 from parity import (
     GLOBAL_BATCH,
@@ -121,7 +122,7 @@ def _worker() -> dict:
         block.unshard()
         ptrs.append(block.up.weight.data_ptr())
         block.reshard()
-        ptrs.append(block._get_fsdp_state().group.unsharded_buf.untyped_storage().nbytes() > 0)
+        ptrs.append(unit_state(block).group.unsharded_buf.untyped_storage().nbytes() > 0)
     out["keep_losses"], out["keep_ptrs"] = losses, ptrs
     return out
 

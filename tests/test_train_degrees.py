@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from fullshard.module import unit_state
 from fullshard.testing import run_distributed
 from fullshard.train import cli
 from fullshard.train.config import ConfigError, TrainConfig, from_toml, replace
@@ -221,7 +222,7 @@ def _layouts(names: list[str]) -> dict[str, Any]:
             "shard": dist.get_process_group_ranks(meshes.full["dp_shard"].get_group()),
             "replicate": dist.get_process_group_ranks(meshes.full["dp_replicate"].get_group()),
             "placements": placements,
-            "reshard": units.layers[0]._get_fsdp_state().reshard_after_forward,
+            "reshard": unit_state(units.layers[0]).reshard_after_forward,
             "loss_close": abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)),
             "grads_close": grads_close,
             "rank": rank,

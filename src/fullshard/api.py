@@ -46,7 +46,7 @@ from .module import (
     UnshardHandle,
     _all_states,
     _check_fsdp_modules,
-    _state,
+    unit_state,
 )
 from .torch_state import fully_shard_state
 
@@ -58,7 +58,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]
-_ = (_all_states, _state)  # re-exported for tests and tools
+_ = (_all_states, unit_state)  # re-exported for tests and tools
 
 
 if (_unsupported := check_supported()) is not None:
@@ -334,7 +334,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return
     if not hasattr(module, method_name):
         raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
-    state = _state(module)
+    state = unit_state(module)
     original = getattr(module, method_name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -354,7 +354,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """
     require(SHARE_COMM_CTX)
     _check_fsdp_modules(modules, "share_comm_ctx")
-    states = [_state(cast(nn.Module, m)) for m in modules]
+    states = [unit_state(cast(nn.Module, m)) for m in modules]
     if not states:
         return
     started = [st.name for st in states if st.ctx is not None]

@@ -40,6 +40,7 @@ from .engine.overrides import (
     ReduceScatterComm,
     separate_reduce_scatter_groups,
 )
+from .torch_state import fully_shard_state
 
 __all__ = [
     "FSDPModule",
@@ -47,10 +48,14 @@ __all__ = [
     "GradientReductionHandle",
     "UnshardHandle",
     "adopt_applied_params",
+    "unit_state",
 ]
 
 
-def _state(module: nn.Module) -> FSDPState:
+def unit_state(module: nn.Module) -> FSDPState:
+    """fullshard's own state of a unit (the engine's: its group, context, policies), for
+    fullshard's tools and tests. Code written for FSDP2 reads ``module._get_fsdp_state()``,
+    which answers in FSDP2's shape (:mod:`fullshard.torch_state`)."""
     st = module.__dict__.get(STATE_ATTR)
     if st is None:
         raise FullyShardError(
@@ -130,12 +135,15 @@ class FSDPModule(_TorchFSDPModule):
         self.__init__(*args, **kwargs)  # type: ignore[misc]
         return self
 
-    def _get_fsdp_state(self) -> FSDPState:  # type: ignore[override]
-        """fullshard's per-unit state (FSDP2 returns its own ``FSDPState`` here)."""
-        return _state(cast(nn.Module, self))
+    def _get_fsdp_state(self) -> Any:  # type: ignore[override]
+        """The unit's state in FSDP2's shape, as ``fully_shard.state(module)`` gives it
+        (``_fsdp_param_group``, ``_fsdp_param_groups``, ``_lazy_init()``, ``_training_state``):
+        code written for FSDP2 (verl, trainers' gradient probes, DINOv3's resharding) reaches
+        FSDP2's ``FSDPState`` here. fullshard's own state: :func:`unit_state`."""
+        return fully_shard_state(cast(nn.Module, self))
 
     def _states(self, recurse: bool) -> list[FSDPState]:
-        st = _state(cast(nn.Module, self))
+        st = unit_state(cast(nn.Module, self))
         return st.subtree_states() if recurse else [st]
 
     # ------------------------------------------------------------------ gather / free
@@ -145,7 +153,7 @@ class FSDPModule(_TorchFSDPModule):
         With ``async_op`` return a handle; the unit's pre-forward waits on a pending unshard,
         so ``wait()`` is needed only to use the parameters before that.
         """
-        state = _state(cast(nn.Module, self))
+        state = unit_state(cast(nn.Module, self))
         if state.ctx is None:
             state.outermost().lazy_init()
         group = state.group
@@ -158,7 +166,7 @@ class FSDPModule(_TorchFSDPModule):
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters and register the sharded ones (not recursive)."""
-        _state(cast(nn.Module, self)).group.reshard()
+        unit_state(cast(nn.Module, self)).group.reshard()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception aborted a forward or backward mid-flight (root only).
@@ -169,7 +177,7 @@ class FSDPModule(_TorchFSDPModule):
         normally. Raises ``RuntimeError`` on a non-root unit.
         """
         require_method("reset_iter_state")
-        root = _state(cast(nn.Module, self))
+        root = unit_state(cast(nn.Module, self))
         if root.ctx is None:  # no forward ran yet: nothing to reset
             return
         if not root.is_root:
@@ -183,7 +191,7 @@ class FSDPModule(_TorchFSDPModule):
         # ``to_empty`` / ``to`` may replace the registered DTensors: adopt the new ones.
         # super(_TorchFSDPModule, ...): skip torch's FSDPModule._apply (torch's engine state).
         ret = super(_TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
-        adopt_applied_params(_state(cast(nn.Module, self)))
+        adopt_applied_params(unit_state(cast(nn.Module, self)))
         return ret
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
@@ -205,7 +213,7 @@ class FSDPModule(_TorchFSDPModule):
         (call on the root, before the forward; torch 2.15's FSDP2). See [Note: manual backward
         finalization] in ``fullshard.engine.finalize``; it supersedes :meth:`set_is_last_backward`."""
         require_method("set_manual_backward_finalization")
-        set_manual_backward_finalization(_state(cast(nn.Module, self)), enabled)
+        set_manual_backward_finalization(unit_state(cast(nn.Module, self)), enabled)
 
     @overload
     def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
@@ -226,7 +234,7 @@ class FSDPModule(_TorchFSDPModule):
         gradients or starting the next iteration.
         """
         require_method("finalize_backward")
-        return finalize_backward(_state(cast(nn.Module, self)), async_op)
+        return finalize_backward(unit_state(cast(nn.Module, self)), async_op)
 
     # --------------------------------------------------------------- gradient knobs
     def set_requires_gradient_sync(
@@ -271,7 +279,7 @@ class FSDPModule(_TorchFSDPModule):
         on any unit sets it; before, only the root's call counts (a unit's own is dropped
         when the root's lazy init makes the shared one, as FSDP2 drops it).
         """
-        _state(cast(nn.Module, self)).is_last_backward = is_last_backward
+        unit_state(cast(nn.Module, self)).is_last_backward = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
@@ -382,7 +390,7 @@ class FSDPModule(_TorchFSDPModule):
         the CPU. With HSDP (a 2-D mesh, whatever its replicate size) a stream is refused with
         FSDP2's ``ValueError``, its message exactly (torch's tests compare it whole).
         """
-        state = _state(cast(nn.Module, self))
+        state = unit_state(cast(nn.Module, self))
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
         if stream is not None and state.group.info.replicate_group is not None:
@@ -395,15 +403,15 @@ class FSDPModule(_TorchFSDPModule):
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]
         """Explicit forward prefetch: start these units' all-gathers in this unit's pre-forward."""
         _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
-        _state(cast(nn.Module, self)).forward_prefetch = [
-            _state(cast(nn.Module, m)) for m in modules
+        unit_state(cast(nn.Module, self)).forward_prefetch = [
+            unit_state(cast(nn.Module, m)) for m in modules
         ]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]
         """Explicit backward prefetch: start these units' all-gathers in this unit's pre-backward."""
         _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
-        _state(cast(nn.Module, self)).backward_prefetch = [
-            _state(cast(nn.Module, m)) for m in modules
+        unit_state(cast(nn.Module, self)).backward_prefetch = [
+            unit_state(cast(nn.Module, m)) for m in modules
         ]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -413,7 +421,7 @@ class FSDPModule(_TorchFSDPModule):
         gradient needs only the indices): the unit's pre-backward all-gather is skipped; its
         gradients are still reduce-scattered.
         """
-        _state(cast(nn.Module, self)).group.unshard_in_backward = unshard_in_backward
+        unit_state(cast(nn.Module, self)).group.unshard_in_backward = unshard_in_backward
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2: issue pre-forward/pre-backward gathers with ``async_op`` so their buffers come
@@ -435,7 +443,7 @@ class FSDPModule(_TorchFSDPModule):
         (FSDP2 then waits on the current stream, which fullshard's gathers follow anyway).
         """
         module = cast(nn.Module, self)
-        if _on_cpu_group(_state(module)) or event is None:
+        if _on_cpu_group(unit_state(module)) or event is None:
             return
         handles: list[Any] = []
 
@@ -453,7 +461,7 @@ class FSDPModule(_TorchFSDPModule):
         async_op=)``, which returns a Work (or ``None`` once done). The unit then gathers
         packed (one buffer, see ``fullshard.engine.transport``)."""
         _check_comm(comm, "set_custom_all_gather")
-        state = _state(cast(nn.Module, self))
+        state = unit_state(cast(nn.Module, self))
         _check_collectives(state, "set_custom_all_gather")
         state.group.overrides.all_gather = comm
         state.group.settings_changed()
@@ -465,7 +473,7 @@ class FSDPModule(_TorchFSDPModule):
         op=ReduceOp.SUM, async_op=)`` (fullshard divides separately). The unit then reduces
         packed."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        state = _state(cast(nn.Module, self))
+        state = unit_state(cast(nn.Module, self))
         _check_collectives(state, "set_custom_reduce_scatter")
         state.group.overrides.reduce_scatter = comm
         state.group.settings_changed()
@@ -481,7 +489,7 @@ class FSDPModule(_TorchFSDPModule):
         :meth:`set_symm_mem_for_comm` (``FullyShardError``, an ``AssertionError`` as in
         FSDP2); see [Note: comm buffers from the backend] in ``fullshard.engine.overrides``.
         """
-        state = _state(cast(nn.Module, self))
+        state = unit_state(cast(nn.Module, self))
         if enable and _on_cpu_group(state):  # the buffers are torch.empty's already
             _check_no_other_buffer_knob(state, "process_group")
             return
@@ -504,7 +512,7 @@ class FSDPModule(_TorchFSDPModule):
         require_method("set_symm_mem_for_comm")
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
-        state = _state(cast(nn.Module, self))
+        state = unit_state(cast(nn.Module, self))
         if _on_cpu_group(state):
             raise RuntimeError(
                 f"set_symm_mem_for_comm on unit {state.name!r}: symmetric memory needs CUDA and "

@@ -28,8 +28,9 @@ with the view below, whose ``_fsdp_param_group`` reads and writes fullshard's un
 answer. ``mesh_info`` is torch's own ``FSDPMeshInfo`` / ``HSDPMeshInfo`` dataclass over the
 unit's mesh (torchtitan builds those itself, with ``_fsdp_init._get_mesh_info``, for
 ``ShardPlacementResult``, which ``fully_shard`` takes as it is). None of torch's FSDP engine
-runs: the dataclasses and the enum are data. ``module._get_fsdp_state()`` still returns
-fullshard's own state (fullshard's tools and tests read it).
+runs: the dataclasses and the enum are data. ``module._get_fsdp_state()`` answers with the
+same view, patch or not (verl falls back to it; trainers probe gradients through it);
+fullshard's own state is ``fullshard.module.unit_state(module)``.
 """
 
 from __future__ import annotations
