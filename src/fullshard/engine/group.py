@@ -265,24 +265,8 @@ class ParamGroup:
                 g._choose_transport(g.transport.local)
 
     def _aliasable(self) -> bool:
-        """Whether this unit's unsharded parameters can be its shards themselves.
-
-        [Note: a shard group of one rank]
-        With one rank in the shard group (world size 1, or ``mesh`` of size 1) each shard is
-        the whole parameter. When the unsharded form would hold the same values in the same
-        dtype on the same device (no ``param_dtype`` or reduce dtype other than the
-        parameters', no offload, no wire dtype, no replicas to all-reduce with, no
-        tensor-parallel or all-gather-extension parameters), the unit's transport is
-        ``local``: each unsharded ``nn.Parameter`` is created once as an alias of its shard's
-        local tensor (same storage and version counter), so gathering is a no-op and
-        resharding frees nothing; the modules still swap between the sharded ``DTensor`` and
-        the plain alias (users and optimizers see ``DTensor`` parameters, the module computes
-        on plain tensors). The gradient autograd accumulates on the alias becomes the sharded
-        gradient as it is (divided by ``gradient_divide_factor`` if one is set): no packing,
-        no collective, no copy (``fullshard.engine.reduce.hand_out_local``). A shard replaced after
-        lazy init (``to_empty``, a ``swap_tensors`` conversion) is re-aliased on the next
-        unshard. The memory planner models the same choice (``select_transport``).
-        """
+        """Whether this unit's unsharded parameters can be its shards themselves ([Note: a
+        shard group of one rank] in ``fullshard.engine.transport``)."""
         dtype = self.compute_dtype()
         cp = self.comm_policy
         return (
@@ -375,8 +359,7 @@ class ParamGroup:
             or self.offloaded
         ):
             return None
-        shards = self._shard_tensors()
-        return BufferContent(self, shards, tuple(t._version for t in shards))
+        return BufferContent.of(self, self._shard_tensors())
 
     def _unsharded_versions(self) -> tuple[int, ...]:
         return tuple(
@@ -390,11 +373,8 @@ class ParamGroup:
 
     def _holds_current(self, content: object) -> bool:
         """``content`` is this unit's gather of its current shards."""
-        if not isinstance(content, BufferContent) or content.group is not self:
-            return False
-        shards = self._shard_tensors()
-        return len(shards) == len(content.shards) and all(
-            a is b and a._version == v for a, b, v in zip(shards, content.shards, content.versions)
+        return isinstance(content, BufferContent) and content.is_current(
+            self, self._shard_tensors()
         )
 
     def reclaim_gathered(self) -> bool:

@@ -255,7 +255,7 @@ class FSDPState:
                 ended = self._module_forward_done(module)
         else:
             ended = self._module_forward_done(module)
-        # A local unit ([Note: a shard group of one rank] in fullshard.engine.group) needs no
+        # A local unit ([Note: a shard group of one rank] in fullshard.engine.transport) needs no
         # pre-backward hook (nothing to gather; its parameters' post-accumulate-grad hooks
         # queue the end-of-backward callback).
         hooks = [st._pre_backward_hook for st in ended if not st.group.transport.local]
@@ -309,7 +309,7 @@ class FSDPState:
     def _end_forward(self, ctx: StepContext[FSDPState]) -> None:
         """The unit's post-forward: its place in the post-forward order, reshard per policy.
 
-        A local unit ([Note: a shard group of one rank] in fullshard.engine.group) frees
+        A local unit ([Note: a shard group of one rank] in fullshard.engine.transport) frees
         nothing by resharding: it stays unsharded until its backward is done (as
         reshard_after_forward False)."""
         local = self.group.transport.local

@@ -105,6 +105,21 @@ class BufferContent:
     shards: tuple[torch.Tensor, ...]
     versions: tuple[int, ...]
 
+    @classmethod
+    def of(cls, group: object, shards: tuple[torch.Tensor, ...]) -> BufferContent:
+        """``group``'s gather of ``shards`` as they are now."""
+        return cls(group, shards, tuple(t._version for t in shards))
+
+    def is_current(self, group: object, shards: tuple[torch.Tensor, ...]) -> bool:
+        """Still ``group``'s gather of ``shards``: the same tensors, none written since."""
+        return (
+            self.group is group
+            and len(shards) == len(self.shards)
+            and all(
+                a is b and a._version == v for a, b, v in zip(shards, self.shards, self.versions)
+            )
+        )
+
 
 class HostBufferPool:
     """Freed CPU storages kept for the next same-size gather (see the Note above)."""

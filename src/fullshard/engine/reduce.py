@@ -430,7 +430,7 @@ def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
     """Local transport (one rank, unsharded parameters alias the shards): each gradient is
     its shard's gradient as it is (see [Note: a shard group of one rank] in
-    ``fullshard.engine.group``), divided as any reduction's (:func:`grad_division`); empties
+    ``fullshard.engine.transport``), divided as any reduction's (:func:`grad_division`); empties
     ``ready``."""
     factor = grad_division(g, g.wire_reduce_dtype()).factor
     emit("reduce_issue", g.name, "local")

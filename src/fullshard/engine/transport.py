@@ -15,7 +15,7 @@ Two ways to move a unit's bytes, with the same results:
 
 A unit whose shard group is one rank (and whose gathered and stored forms agree: same dtype,
 no offload, no replicas, no wire dtype) moves nothing at all: its transport is ``local``
-(see [Note: a shard group of one rank] in ``fullshard.engine.group``).
+(see [Note: a shard group of one rank] below).
 
 ``auto`` keeps what measured best: on gloo (CPU tensors), for units of at least
 ``backend.P2P_MIN_BYTES`` (512 KiB unsharded; below it a message's round trip costs more
@@ -32,6 +32,22 @@ only reads the decision (the kept copy of an int ``reshard_after_forward``, rega
 its subgroup, and gradients that cannot be sent as they are, are packed). The planner's
 engine model (``fullshard.memory.planner``) and the benchmarks' variants use the same
 function.
+
+[Note: a shard group of one rank]
+With one rank in the shard group (world size 1, or ``mesh`` of size 1) each shard is
+the whole parameter. When the unsharded form would hold the same values in the same
+dtype on the same device (no ``param_dtype`` or reduce dtype other than the
+parameters', no offload, no wire dtype, no replicas to all-reduce with, no
+tensor-parallel or all-gather-extension parameters), the unit's transport is
+``local``: each unsharded ``nn.Parameter`` is created once as an alias of its shard's
+local tensor (same storage and version counter), so gathering is a no-op and
+resharding frees nothing; the modules still swap between the sharded ``DTensor`` and
+the plain alias (users and optimizers see ``DTensor`` parameters, the module computes
+on plain tensors). The gradient autograd accumulates on the alias becomes the sharded
+gradient as it is (divided by ``gradient_divide_factor`` if one is set): no packing,
+no collective, no copy (``fullshard.engine.reduce.hand_out_local``). A shard replaced after
+lazy init (``to_empty``, a ``swap_tensors`` conversion) is re-aliased on the next
+unshard. The memory planner models the same choice (``select_transport``).
 """
 
 from __future__ import annotations
