@@ -66,23 +66,36 @@ def make_tokenizer(out: Path) -> Any:
     return fast
 
 
-def make_llama(out: Path, vocab_size: int, seed: int = 0, max_positions: int = 128) -> Any:
-    """A 2-layer, 64-wide Llama with random weights, saved (safetensors) with its config."""
+def tiny_llama(
+    vocab_size: int,
+    *,
+    width: tuple[int, int] = (32, 48),
+    max_positions: int = 64,
+    tie: bool = False,
+    seed: int = 0,
+) -> Any:
+    """A 2-layer Llama (``width``: hidden and MLP sizes, 4 heads, 2 KV heads) with random
+    weights from ``seed``: no download."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=width[0],
+        intermediate_size=width[1],
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
     )
-    model = LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg)
+
+
+def make_llama(out: Path, vocab_size: int, seed: int = 0, max_positions: int = 128) -> Any:
+    """A 2-layer, 64-wide Llama with random weights, saved (safetensors) with its config."""
+    model = tiny_llama(vocab_size, width=(64, 128), max_positions=max_positions, seed=seed)
     model.save_pretrained(str(out))
     return model
 

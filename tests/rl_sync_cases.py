@@ -29,26 +29,14 @@ from fullshard.rl import (
 )
 from fullshard.rl import weights as publish_module
 from fullshard.rl.delta import bits, decode_xor
+from hf_local import tiny_llama
 
 VOCAB = 67
 
 
 def make_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A 2-layer, 32-wide Llama with tied embeddings (no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).to(dtype)
+    return tiny_llama(VOCAB, max_positions=32, tie=True, seed=seed).to(dtype)
 
 
 def shard_llama(model: nn.Module, mesh: DeviceMesh | None = None, wrap: bool = False) -> None:
