@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fullshard import count_collectives, fully_shard
 from fullshard.rl import (
@@ -65,7 +66,8 @@ def full_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor
     out = {}
     for fqn, p in model.named_parameters():
         name = fqn.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
-        out[name] = p.full_tensor().to(dtype)  # type: ignore[attr-defined]
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        out[name] = full.to(dtype)
     return out
 
 
@@ -188,6 +190,58 @@ def sync_world() -> dict[str, Any]:
     deltas = ShardDeltas(model, dtype=torch.bfloat16)
     for step in range(3):
         train(model, opt, 1, seed=10 + step)
+        out["reports"].append(send_deltas(deltas, to))
+        out["stages"].append(full_weights(model, torch.bfloat16))
+    return out
+
+
+def _hsdp_mesh() -> DeviceMesh | None:
+    """Training ranks 0-3 as a 2x2 HSDP mesh (replicate, shard); rank 4 makes the groups too
+    (``new_group`` is collective) and gets ``None``."""
+    groups = {}
+    for kind, members in (("rep", ([0, 2], [1, 3])), ("shard", ([0, 1], [2, 3]))):
+        for ranks in members:
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                groups[kind] = group
+    if dist.get_rank() == 4:
+        return None
+    return DeviceMesh.from_group(
+        [groups["rep"], groups["shard"]],
+        "cpu",
+        mesh=torch.arange(4).view(2, 2),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def hsdp_sync_world() -> dict[str, Any]:
+    """HSDP trainers 0-3 (2 replicas x 2 shards) with the final norm's weight ignored (a plain
+    tensor on every rank), and a receiver on rank 4 that lists every trainer as a sender:
+    rows, then two steps of deltas, each stage's weights returned for the parent."""
+    mesh = _hsdp_mesh()
+    out: dict[str, Any] = {"stages": [], "reports": []}
+    if mesh is None:
+        receiver = WeightReceiver(make_llama(seed=7, dtype=torch.bfloat16))
+        for _stage in range(3):
+            out["reports"].append(receive(receiver, (0, 1, 2, 3)))
+            out["stages"].append(_snapshot(receiver))
+        return out
+    to = Receivers(ranks=(4,))
+    model = make_llama()
+    ignored = {model.model.norm.weight}  # type: ignore[union-attr]
+    with torch.no_grad():  # small values, so AdamW's steps show in bf16
+        for w in ignored:
+            w.copy_(torch.rand(w.shape, generator=torch.Generator().manual_seed(5)) / 64)
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    train(model, opt, 1, seed=3)
+    out["reports"].append(send_rows(model, to, dtype=torch.bfloat16))
+    out["stages"].append(full_weights(model, torch.bfloat16))
+    deltas = ShardDeltas(model, dtype=torch.bfloat16)
+    for step in range(2):
+        train(model, opt, 1, seed=20 + step)
         out["reports"].append(send_deltas(deltas, to))
         out["stages"].append(full_weights(model, torch.bfloat16))
     return out

@@ -157,3 +157,22 @@ def test_weight_sync_bench_checks_the_receiver() -> None:
     assert rows["publish"]["collective_calls"] == 1  # both units in one bucket
     assert rows["rows"]["collective_calls"] == 0 and rows["delta"]["changed"] > 0
     assert "| publish |" in table(result)
+
+
+def test_hsdp_replicas_and_plain_weights_are_sent_once() -> None:
+    """Under HSDP both replicas hold the same rows and an ignored weight is whole on every
+    rank: each piece is sent by one rank, so the receiver (listing all four trainers) is exact
+    after rows and after deltas (an XOR sent twice would undo itself)."""
+    from rl_sync_cases import hsdp_sync_world
+
+    *trainers, receiver = run_distributed(hsdp_sync_world, 5, timeout=300)
+    for i, what in enumerate(("rows", "delta 1", "delta 2")):
+        _assert_same(receiver["stages"][i], trainers[0]["stages"][i], what)
+    assert not torch.equal(
+        receiver["stages"][0]["model.norm.weight"], receiver["stages"][2]["model.norm.weight"]
+    )  # the ignored weight moved, and arrived
+    sent = [sum(t["reports"][i].bytes_sent for t in trainers) for i in range(3)]
+    first = [t["reports"][0].bytes_sent for t in trainers]
+    assert first[2] < first[0] and first[3] < first[1], first  # the second replica: end markers
+    assert receiver["reports"][0].bytes_received == sent[0]
+    assert all(t["reports"][i].changed == 0 for t in trainers[2:] for i in (1, 2))

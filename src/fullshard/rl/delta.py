@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .weights import shard_rows
+from .weights import ShardRows, shard_rows
 
 __all__ = ["DeltaRows", "ShardDeltas", "bits", "decode_xor", "encode_xor"]
 
@@ -89,7 +89,9 @@ class ShardDeltas:
     state is the base. Each :meth:`delta` returns what changed since the base (or since the
     previous delta) and makes the current weights the new base. Memory: one copy of this
     rank's shards in the wire ``dtype`` (each weight's own when ``None``). No communication:
-    every rank may call it alone ([Note: XOR deltas]).
+    every rank may call it alone ([Note: XOR deltas]). Only the rows this rank sends are
+    tracked: under HSDP the first replica's ranks report the changes, the others none ([Note:
+    one sender per piece] in ``fullshard.rl.names``), since a mask applied twice undoes itself.
     """
 
     def __init__(self, model: nn.Module, *, dtype: torch.dtype | None = None) -> None:
@@ -100,14 +102,16 @@ class ShardDeltas:
 
     def reset(self) -> None:
         """Make the weights as they are now the base (after a full publication)."""
-        self._base = {
-            r.name: bits(r.local).clone() for r in shard_rows(self.model, dtype=self.dtype)
-        }
+        self._base = {r.name: bits(r.local).clone() for r in self._rows()}
+
+    def _rows(self) -> list[ShardRows]:
+        """The rows this rank sends ([Note: one sender per piece] in ``fullshard.rl.names``)."""
+        return [r for r in shard_rows(self.model, dtype=self.dtype) if r.primary]
 
     def delta(self) -> list[DeltaRows]:
         """This rank's XOR masks since the base, one per weight; the weights become the base."""
         out: list[DeltaRows] = []
-        for r in shard_rows(self.model, dtype=self.dtype):
+        for r in self._rows():
             base = self._base.get(r.name)
             new = bits(r.local)
             if base is None or base.shape != new.shape:

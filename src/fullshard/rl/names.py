@@ -16,6 +16,16 @@ replicate dimension. Rank ``r`` of the ``k``-rank shard group holds indices
 ``[r * c, min((r + 1) * c, n))`` of dim ``d`` with ``c = ceil(n / k)`` (``torch.chunk``), so
 trailing ranks may hold fewer or none. :class:`Geometry` is that description; a plain tensor
 (not sharded) is a group of one rank holding everything.
+
+[Note: one sender per piece]
+Under HSDP every replica holds the same rows, and a weight that is not sharded (a plain
+tensor: ``ignored_params``) is whole on every rank. A receiver sent one piece twice would
+write it twice (harmless for values, wasted bytes), but an XOR delta applied twice undoes
+itself. So each piece has one *primary* holder, the one that sends it: for a ``DTensor``, the
+rank at index 0 of every mesh dimension it is replicated over; for a plain tensor, the model's
+lead rank (the first rank of its first ``DTensor``'s mesh; the only rank without one).
+``send_rows`` and ``ShardDeltas`` send and track only primary pieces, and every training rank
+still ends its messages, so a receiver lists every training rank as a sender.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ __all__ = [
     "Geometry",
     "checkpoint_name",
     "geometry",
+    "lead_rank",
     "local_tensor",
     "named_weights",
 ]
@@ -77,6 +88,7 @@ class Geometry:
     world: int  # ranks of the shard group
     rank: int  # this rank's index in it
     group: dist.ProcessGroup | None  # None: not sharded (world 1)
+    primary: bool = True  # this rank sends this piece ([Note: one sender per piece])
 
     @property
     def chunk(self) -> int:
@@ -106,10 +118,20 @@ class Geometry:
         return torch.Size(shape)
 
 
-def geometry(name: str, param: torch.Tensor) -> Geometry:
-    """The shard geometry of ``param`` (published as ``name``, for errors)."""
+def lead_rank(model: nn.Module) -> bool:
+    """Whether this rank is ``model``'s lead: the first rank of the mesh of its first
+    ``DTensor`` parameter (True without one or without a process group)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return int(p.device_mesh.mesh.flatten()[0]) == dist.get_rank()
+    return True
+
+
+def geometry(name: str, param: torch.Tensor, lead: bool = True) -> Geometry:
+    """The shard geometry of ``param`` (published as ``name``, for errors); ``lead``: this rank
+    sends the plain tensors ([Note: one sender per piece])."""
     if not isinstance(param, DTensor):
-        return Geometry(param.shape, 0, 1, 0, None)
+        return Geometry(param.shape, 0, 1, 0, None, primary=lead)
     placements = param.placements
     shard = [i for i, p in enumerate(placements) if type(p) is Shard]
     others = [
@@ -120,14 +142,17 @@ def geometry(name: str, param: torch.Tensor) -> Geometry:
             f"{name!r} has placements {tuple(placements)}; publishing handles fully sharded "
             "parameters (one Shard(d), Replicate() elsewhere), not tensor parallel ones"
         )
-    if not shard:  # replicated on every mesh dim: every rank holds it whole
-        return Geometry(param.shape, 0, 1, 0, None)
-    i = shard[0]
     mesh = param.device_mesh
+    primary = all(mesh.get_local_rank(i) == 0 for i in range(mesh.ndim) if i not in shard)
+    if not shard:  # replicated on every mesh dim: every rank holds it whole
+        return Geometry(param.shape, 0, 1, 0, None, primary)
+    i = shard[0]
     placement = placements[i]
     assert isinstance(placement, Shard)
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    return Geometry(param.shape, dim, mesh.size(i), mesh.get_local_rank(i), mesh.get_group(i))
+    return Geometry(
+        param.shape, dim, mesh.size(i), mesh.get_local_rank(i), mesh.get_group(i), primary
+    )
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

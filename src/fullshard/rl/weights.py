@@ -31,7 +31,7 @@ from fullshard.engine.handle import Handle
 from fullshard.engine.hooks import states_under
 from fullshard.engine.labels import label
 
-from .names import Geometry, geometry, local_tensor, named_weights
+from .names import Geometry, geometry, lead_rank, local_tensor, named_weights
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "ShardRows", "publish", "shard_rows"]
 
@@ -51,6 +51,7 @@ class ShardRows:
     start: int
     stop: int
     local: torch.Tensor  # ND: shape with dim ``dim`` of size stop - start
+    primary: bool = True  # this rank is the one that sends it ([Note: one sender per piece])
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -62,9 +63,8 @@ def _rows(name: str, param: torch.Tensor, geo: Geometry, dtype: torch.dtype | No
     local = local_tensor(param)
     local = local.to(dtype) if dtype is not None else local
     start = geo.start(geo.rank)
-    return ShardRows(
-        name, geo.shape, local.dtype, geo.dim, start, start + geo.rows(geo.rank), local
-    )
+    stop = start + geo.rows(geo.rank)
+    return ShardRows(name, geo.shape, local.dtype, geo.dim, start, stop, local, geo.primary)
 
 
 def shard_rows(model: nn.Module, *, dtype: torch.dtype | None = None) -> list[ShardRows]:
@@ -73,11 +73,13 @@ def shard_rows(model: nn.Module, *, dtype: torch.dtype | None = None) -> list[Sh
     For engines that pull rows themselves: each rank hands its own pieces to the inference
     ranks that need them. ``dtype`` is the wire dtype (each weight's own when ``None``); a
     piece already in it is the shard itself (no copy), so send it before the next optimizer
-    step. Weights that are not sharded come whole from every rank, and under HSDP every
-    replica returns the same rows: send from one replica. Names are checkpoint names, tied
-    weights once ([Note: checkpoint names] in ``fullshard.rl.names``).
+    step. Under HSDP every replica returns the same rows and a weight that is not sharded
+    comes whole from every rank: send only pieces with ``primary`` set, as :func:`send_rows`
+    does ([Note: one sender per piece] in ``fullshard.rl.names``). Names are checkpoint names,
+    tied weights once ([Note: checkpoint names]).
     """
-    return [_rows(n, p, geometry(n, p), dtype) for n, p in named_weights(model)]
+    lead = lead_rank(model)
+    return [_rows(n, p, geometry(n, p, lead), dtype) for n, p in named_weights(model)]
 
 
 @dataclass

@@ -228,11 +228,13 @@ def send_rows(
     message_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> SyncReport:
     """Send this rank's rows of every weight (:func:`fullshard.rl.shard_rows`) to the receivers
-    that keep them: no gather. Every training rank calls it (under HSDP, one replica's ranks)."""
+    that keep them: no gather. Every training rank calls it; a piece another rank also holds
+    (HSDP replicas, weights that are not sharded) is sent by one of them ([Note: one sender
+    per piece] in ``fullshard.rl.names``)."""
     report, t0 = SyncReport(), time.perf_counter()
     outbox = _Outbox(receivers, message_bytes, report)
     for rows in shard_rows(model, dtype=dtype):
-        if rows.local.numel():
+        if rows.primary and rows.local.numel():
             outbox.add(rows.name, rows.shape, rows.local, rows.offsets)
     outbox.close()
     report.seconds = time.perf_counter() - t0
