@@ -245,3 +245,54 @@ def hsdp_sync_world() -> dict[str, Any]:
         out["reports"].append(send_deltas(deltas, to))
         out["stages"].append(full_weights(model, torch.bfloat16))
     return out
+
+
+class _TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(10)
+        self.up = nn.Linear(10, 14)  # 14 / tp 2 = 7 rows, uneven over dp 2
+        self.down = nn.Linear(14, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def tp_publish_case() -> dict[str, Any]:
+    """FSDP over dp 2 x TP 2: publish gives every weight, TP ones included, equal to
+    ``full_tensor()`` in bf16; shard_rows and ShardDeltas refuse the TP weights by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(_TPBlock(), _TPBlock())
+    for block in model:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(4, 10, generator=g)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    oracle = full_weights(model, torch.bfloat16)
+    got = dict(publish(model, dtype=torch.bfloat16, bucket_bytes=1 << 10))
+    out: dict[str, Any] = {
+        "placements": str(model[0].up.weight.placements),
+        "names": sorted(got) == sorted(oracle),
+        "exact": all(
+            t.dtype == torch.bfloat16 and torch.equal(t, oracle[n]) for n, t in got.items()
+        ),
+    }
+    for what, call in (("rows", lambda: shard_rows(model)), ("deltas", lambda: ShardDeltas(model))):
+        try:
+            call()
+        except ValueError as e:
+            out[what] = str(e)
+    return out

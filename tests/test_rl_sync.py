@@ -176,3 +176,15 @@ def test_hsdp_replicas_and_plain_weights_are_sent_once() -> None:
     assert first[2] < first[0] and first[3] < first[1], first  # the second replica: end markers
     assert receiver["reports"][0].bytes_received == sent[0]
     assert all(t["reports"][i].changed == 0 for t in trainers[2:] for i in (1, 2))
+
+
+def test_tensor_parallel_weights_publish_whole() -> None:
+    """FSDP + TP: publish gathers TP weights through DTensor (cast first), exact; rows and
+    deltas, which need a box of rows per rank, refuse them naming the weight and the fix."""
+    from rl_sync_cases import tp_publish_case
+
+    out = run_distributed(tp_publish_case, 4, timeout=300)[0]
+    assert "Shard" in out["placements"] and out["names"] and out["exact"], out
+    for what in ("rows", "deltas"):
+        assert "weight '0.up.weight' is tensor parallel" in out[what], out
+        assert "send_full / publish" in out[what]

@@ -15,7 +15,10 @@ fullshard stores a parameter as a ``DTensor`` with ``Shard(d)`` on its shard mes
 replicate dimension. Rank ``r`` of the ``k``-rank shard group holds indices
 ``[r * c, min((r + 1) * c, n))`` of dim ``d`` with ``c = ceil(n / k)`` (``torch.chunk``), so
 trailing ranks may hold fewer or none. :class:`Geometry` is that description; a plain tensor
-(not sharded) is a group of one rank holding everything.
+(not sharded) is a group of one rank holding everything. A tensor-parallel parameter (placements
+beyond one ``Shard``, e.g. ``(_StridedShard(0), Shard(0))`` under FSDP + TP) holds no box of
+rows per rank: :func:`~fullshard.rl.publish` gathers it whole through ``DTensor`` (cast first),
+and :func:`~fullshard.rl.shard_rows` refuses it.
 
 [Note: one sender per piece]
 Under HSDP every replica holds the same rows, and a weight that is not sharded (a plain
@@ -89,6 +92,7 @@ class Geometry:
     rank: int  # this rank's index in it
     group: dist.ProcessGroup | None  # None: not sharded (world 1)
     primary: bool = True  # this rank sends this piece ([Note: one sender per piece])
+    tensor_parallel: bool = False  # placements beyond one Shard: DTensor gathers it whole
 
     @property
     def chunk(self) -> int:
@@ -137,12 +141,9 @@ def geometry(name: str, param: torch.Tensor, lead: bool = True) -> Geometry:
     others = [
         p for i, p in enumerate(placements) if i not in shard and not isinstance(p, Replicate)
     ]
-    if len(shard) > 1 or others:
-        raise ValueError(
-            f"{name!r} has placements {tuple(placements)}; publishing handles fully sharded "
-            "parameters (one Shard(d), Replicate() elsewhere), not tensor parallel ones"
-        )
     mesh = param.device_mesh
+    if len(shard) > 1 or others:  # tensor parallel (and FSDP): no box of rows per rank
+        return Geometry(param.shape, 0, 1, 0, None, primary=False, tensor_parallel=True)
     primary = all(mesh.get_local_rank(i) == 0 for i in range(mesh.ndim) if i not in shard)
     if not shard:  # replicated on every mesh dim: every rank holds it whole
         return Geometry(param.shape, 0, 1, 0, None, primary)

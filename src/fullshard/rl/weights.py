@@ -60,6 +60,12 @@ class ShardRows:
 
 
 def _rows(name: str, param: torch.Tensor, geo: Geometry, dtype: torch.dtype | None) -> ShardRows:
+    if geo.tensor_parallel:
+        raise ValueError(
+            f"weight {name!r} is tensor parallel (placements "
+            f"{tuple(getattr(param, 'placements', ()))}): a rank holds no box of rows of it; "
+            "send it whole with send_full / publish"
+        )
     local = local_tensor(param)
     local = local.to(dtype) if dtype is not None else local
     start = geo.start(geo.rank)
@@ -95,6 +101,7 @@ class _Bucket:
     group: dist.ProcessGroup | None
     world: int
     dtype: torch.dtype
+    tensor_parallel: bool = False  # entries gathered whole by DTensor, one by one
     entries: list[_Entry] = field(default_factory=list)
     slot_numel: int = 0  # elements each rank contributes
 
@@ -134,11 +141,13 @@ def _plan(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> lis
         last = buckets[-1] if buckets else None
         if (
             last is None
+            or geo.tensor_parallel
+            or last.tensor_parallel
             or last.group is not geo.group
             or last.dtype != wire
             or last.gathered_bytes(numel) > bucket_bytes
         ):
-            last = _Bucket(geo.group, geo.world, wire)
+            last = _Bucket(geo.group, geo.world, wire, geo.tensor_parallel)
             buckets.append(last)
         last.add(unit)
     return buckets
@@ -149,11 +158,15 @@ class _InFlight:
     bucket: _Bucket
     out: torch.Tensor  # 1D, [world * slot_numel], rank-major
     handle: Handle | None
+    whole: dict[str, torch.Tensor] = field(default_factory=dict)  # tensor-parallel weights
 
 
 def _issue(bucket: _Bucket, index: int) -> _InFlight:
     """Pack this rank's shards (cast to the wire dtype) and start the bucket's one gather."""
     first = local_tensor(bucket.entries[0].param)
+    if bucket.tensor_parallel:  # cast on the shard, then DTensor's own gathers (synchronous)
+        whole = {e.name: e.param.to(bucket.dtype).full_tensor() for e in bucket.entries}  # type: ignore[attr-defined]
+        return _InFlight(bucket, first, None, whole)
     send = torch.empty(bucket.slot_numel, dtype=bucket.dtype, device=first.device)
     for e in bucket.entries:
         local = local_tensor(e.param)
@@ -168,6 +181,8 @@ def _issue(bucket: _Bucket, index: int) -> _InFlight:
 
 def _full(flight: _InFlight, e: _Entry) -> torch.Tensor:
     """``e``'s full tensor, from its ranks' pieces in the gathered buffer."""
+    if e.name in flight.whole:
+        return flight.whole.pop(e.name)
     geo = e.geo
     slots = flight.out.view(flight.bucket.world, flight.bucket.slot_numel)
     pieces = [
@@ -194,8 +209,10 @@ def publish(
     Communication is one packed all-gather per bucket of whole units (at most one per unit),
     the next bucket's gather in flight while this one's tensors are yielded. Memory: at most two
     buckets' gathered buffers (each at most ``bucket_bytes``, or one unit's gathered size where
-    a unit alone is larger) and the tensor last yielded ([Note: the publication plan]). Call it
-    between steps, when the model is sharded (not inside forward or backward).
+    a unit alone is larger) and the tensor last yielded ([Note: the publication plan]). A
+    tensor-parallel weight is cast on its shard and gathered whole by ``DTensor.full_tensor()``
+    ([Note: shard geometry] in ``fullshard.rl.names``). Call it between steps, when the model is
+    sharded (not inside forward or backward).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
