@@ -17,6 +17,11 @@ Checks, in order (``--only`` takes their keys):
 - ``llama``: a Llama-3.2-1B-shaped model, every decoder layer a unit, bf16 compute: peak
   ``max_memory_allocated`` and median step time against FSDP2 (alternating), and the
   prefetch overlap read off a profiler trace of one step per engine;
+- ``rl``: ``fullshard.rl`` on an 8-layer Llama (0.75B), every decoder layer a unit: all
+  weights in bf16 by ``publish`` against per-weight ``full_tensor()`` (seconds, GB/s, gathers,
+  bit for bit), one ``ShardDeltas`` delta, ``sleep`` / ``wake`` after an AdamW step (seconds,
+  ``memory_allocated`` before / asleep / woken, pinned host copy, state bit for bit, the next
+  step's loss against a model that never slept) and ``gathered_for_rollout``'s gathers;
 - ``train``: ``fullshard train --preset llama-1b`` for 30 steps: tokens/s, MFU, step time and
   peak memory beside ``fullshard plan``'s prediction of the same run on an H200.
 
@@ -50,6 +55,7 @@ from gpu_check_common import Ctx
 from gpu_check_engines import check_comm_buffers, check_offload, check_parity
 from gpu_check_llama import check_llama
 from gpu_check_report import Check, Report, run_checks, table
+from gpu_check_rl import check_rl
 from gpu_check_runs import check_overhead, check_train
 
 #: key, title, check, seconds it needs on one H200 (what the time budget goes by)
@@ -59,6 +65,7 @@ CHECKS = (
     ("offload", "CPU offload", check_offload, 40.0),
     ("overhead", "per-unit overhead", check_overhead, 30.0),
     ("llama", "Llama 1B", check_llama, 100.0),
+    ("rl", "RL weight sync + sleep/wake", check_rl, 40.0),
     ("train", "train --preset llama-1b", check_train, 120.0),
 )
 #: sizes: (on the GPU, under --dry-run); a flag given on the command line wins
@@ -73,6 +80,8 @@ SIZES = {
     "train_global_batch": (16, 4),
     "train_warmup": (5, 1),
     "overhead_units": (64, 8),
+    "rl_layers": (8, 2),
+    "rl_repeats": (5, 2),
 }
 
 
@@ -96,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-global-batch", type=int, help="fullshard train --global-batch")
     p.add_argument("--train-warmup", type=int, help="training steps left out of the medians")
     p.add_argument("--overhead-units", type=int, help="units of the overhead model")
+    p.add_argument("--rl-layers", type=int, help="decoder layers of the RL Llama (8 = 0.75B)")
+    p.add_argument("--rl-repeats", type=int, help="timed weight syncs per method")
     return p
 
 

@@ -79,6 +79,12 @@ def test_the_llama_is_llama_3_2_1b_shaped() -> None:
     assert (args.train_steps, args.overhead_units) == (30, 64)
     dry = gc._parse(["--dry-run", "--train-steps", "2"])
     assert (dry.llama_layers, dry.train_steps, dry.overhead_units) == (2, 2, 8)
+    assert (args.rl_layers, dry.rl_layers, dry.rl_repeats) == (8, 2, 2)
+
+
+def test_the_estimates_fit_the_default_budget() -> None:
+    gc = _gpu_check()
+    assert sum(c[3] for c in gc.CHECKS) <= gc._parse([]).budget_s
 
 
 def _report(out: Path) -> dict[str, Any]:
@@ -99,12 +105,42 @@ def test_the_dry_run_runs_every_check_and_writes_the_report(tmp_path: Path) -> N
         assert any(title in check for check in verdicts), (title, verdicts)
     for title in ("Llama peak", "prefetch", "train --preset llama-1b: the run", "train: MFU"):
         assert any(title in check for check in verdicts), (title, verdicts)
-    assert set(report["details"]) >= {"offload_copy_overlap", "llama_prefetch", "train"}
+    for title in ("RL weight sync", "RL publish ==", "RL ShardDeltas", "RL sleep/wake", "RL wake"):
+        assert any(title in check for check in verdicts), (title, verdicts)
+    rl = {check: v for check, v in verdicts.items() if check.startswith("RL ")}
+    assert len(rl) == 6 and set(rl.values()) <= {"PASS", "INFO"}, rl
+    assert set(report["details"]) >= {"offload_copy_overlap", "llama_prefetch", "train", "rl"}
     markdown = (out / "gpu_check.md").read_text()
     assert "| check | fullshard | FSDP2 / plan | verdict | note |" in markdown
     assert all(f"| {r['check']} |" in markdown for r in report["rows"])
     assert (out / "train_metrics.jsonl").exists() and (out / "plan_gpu.json").exists()
     assert "train: tokens/s per GPU" in proc.stdout  # the console's table
+
+
+def test_the_rl_check_fails_when_publish_is_off_by_one_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish's weights must equal ``full_tensor().to(bf16)`` bit for bit: one flipped bit
+    in one weight fails the check (and the run), the other RL rows still pass."""
+    gc = _gpu_check()
+    import gpu_check_rl
+    import torch
+
+    real = gpu_check_rl.publish
+
+    def one_bit_off(model: Any, **kwargs: Any) -> Any:
+        for i, (name, t) in enumerate(real(model, **kwargs)):
+            if i == 1:
+                t = t.clone()
+                t.view(torch.int16).view(-1)[0] ^= 1
+            yield name, t
+
+    monkeypatch.setattr(gpu_check_rl, "publish", one_bit_off)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gc.main(["--dry-run", "--only", "rl", "--out", str(tmp_path)]) == 1
+    verdicts = {r["check"]: r["verdict"] for r in _report(tmp_path)["rows"]}
+    assert verdicts.pop("RL publish == full_tensor().to(bf16), bit for bit") == "FAIL"
+    assert set(verdicts.values()) <= {"PASS", "INFO"}, verdicts
 
 
 def test_a_check_that_raises_fails_the_run(tmp_path: Path) -> None:
