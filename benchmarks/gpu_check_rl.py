@@ -29,7 +29,7 @@ from fullshard.engine.events import record_events
 from fullshard.rl import ShardDeltas, gathered_for_rollout, named_weights, publish
 from fullshard.rl.delta import DeltaRows, bits
 from fullshard.rl.names import local_tensor
-from fullshard.rl.sleep import _ASLEEP, sleep, wake
+from fullshard.rl.sleep import SleepReport, sleep, wake
 
 WIRE = torch.bfloat16
 LR = 1e-5  # RL-sized: most bf16 weights do not change in a step
@@ -158,10 +158,10 @@ def _sleep_wake(
     out: dict[str, Any] = {"expected": sum(t.numel() * t.element_size() for t in on_device)}
     gc.collect()
     out["before"] = _held(ctx, state)
-    out["sleep_s"] = _seconds(ctx, partial(sleep, model, opt))
+    reports: list[SleepReport] = []
+    out["sleep_s"] = _seconds(ctx, lambda: reports.append(sleep(model, opt)))
     out["asleep"] = _held(ctx, state)
-    host = _ASLEEP[model].host  # what sleep keeps
-    out["pinned"], out["host"] = host.is_pinned(), host.numel() * host.element_size()
+    out["pinned"], out["host"] = reports[0].pinned, reports[0].moved_bytes  # its host copy
     out["wake_s"] = _seconds(ctx, partial(wake, model))
     out["woken"] = _held(ctx, state)
     now = _state(model, opt)
