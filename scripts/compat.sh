@@ -28,14 +28,16 @@ shift
 # The engine parity matrix, FSDP2 conformance and misuse (behaviours compared with FSDP2 on
 # that torch too), the torch range's refusals, the framework clients (pipelining, Accelerate,
 # Fabric, transformers, DCP; Accelerate and the Trainer on FSDP1), checkpoints (FSDP1's too),
-# composition, the install, the backend plan and the stream-order checker.
+# composition, the install, the backend plan, the stream-order checker and fullshard.rl (the
+# RL stacks ship torch 2.9-2.11: weight sync, sleep/wake, FSDP2's private names as they are).
 SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/test_fsdp2_misuse.py
         tests/test_torch_range.py tests/test_torch215_api.py tests/clients
         tests/test_engine_knobs.py tests/test_features.py tests/test_checkpoint.py
         tests/test_composition.py tests/test_install.py tests/test_conformance.py
         tests/test_frozen.py tests/test_backend_plan.py tests/test_stream_order.py
         tests/test_labels.py tests/test_states.py tests/test_chunked_loss.py tests/test_fsdp1.py
-        tests/test_fsdp1_api.py tests/test_fsdp1_checkpoint.py)
+        tests/test_fsdp1_api.py tests/test_fsdp1_checkpoint.py tests/test_rl_sync.py
+        tests/test_rl_sleep.py tests/test_rl_private_names.py)
 MODE=pytest
 ARGS=(tests)
 if [ $# -gt 0 ]; then
