@@ -8,11 +8,20 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
-from fullshard.engine.streamcheck import COMPUTE, check_streams
+from fullshard.engine.streamcheck import (
+    COMPUTE,
+    LogicalStream,
+    check_streams,
+    current_logical,
+    on_logical,
+)
 from fullshard.testing import run_distributed
 from parity import make_net, make_optimizer, shard_net, sharded_step
 from test_engine import _run_cases
+
+_RESIZE = torch.UntypedStorage.resize_
 
 
 def _matrix_checked() -> dict[str, Any]:
@@ -110,3 +119,20 @@ def test_one_rank_orders_its_local_copies() -> None:
     assert len(results) == 4, results
     for case, violations in results.items():
         assert violations == [], f"{case}: {violations}"
+
+
+def test_a_free_the_code_did_not_announce_is_checked() -> None:
+    """A storage resized to 0 bytes counts as freed even without ``freed()``: freeing memory
+    another stream still reads, with no wait, is a violation; after a wait it is none."""
+    for wait in (False, True):
+        t = torch.ones(8)
+        side = LogicalStream("side")
+        with check_streams() as checker:
+            with on_logical(side):
+                t.sum()  # the side stream reads t
+            if wait:
+                current_logical().wait_stream(side)
+            t.untyped_storage().resize_(0)  # freed on the compute stream, unannounced
+        frees = [v for v in checker.violations if "free (resize_(0))" in v]
+        assert (frees == []) == wait, checker.violations
+    assert torch.UntypedStorage.resize_ is _RESIZE  # put back on exit

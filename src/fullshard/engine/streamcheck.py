@@ -28,7 +28,8 @@ c10d's ops: their output tensors are written). It reports
 
 - a read or write of a storage on one stream after a write (or, for a write, a read) on
   another with no wait ordering them;
-- a storage freed while another stream's use of it is not ordered before the free.
+- a storage freed while another stream's use of it is not ordered before the free (a free:
+  :func:`freed`, which names what is freed, or any ``UntypedStorage.resize_(0)`` in the block).
 
 The parity matrix runs once under the checker in CI (``tests/test_stream_order.py``), and
 ``tests/test_stream_mutations.py`` deletes each stream call in ``src/`` in turn (on a copy)
@@ -214,13 +215,32 @@ def freed(storage: torch.UntypedStorage, what: str) -> None:
 
 
 @contextlib.contextmanager
+def _watching_resizes(checker: StreamChecker) -> Iterator[None]:
+    """Every storage resized to 0 bytes while the block runs is a free (rule 3) the checker
+    sees, whether or not the code announced it with :func:`freed` (which names it)."""
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        if size == 0 and storage.nbytes():
+            checker.release(storage, "resize_(0)")
+        return resize(storage, size)
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def check_streams() -> Iterator[StreamChecker]:
     """Record the engine's stream calls and storage accesses on this process; the yielded
-    checker's ``violations`` lists every unordered access (see the module's Note)."""
+    checker's ``violations`` lists every unordered access (see the module's Note). A storage
+    resized to 0 bytes in the block counts as freed, announced by :func:`freed` or not."""
     checker = StreamChecker()
     _active.append(checker)
     try:
-        with checker:
+        with checker, _watching_resizes(checker):
             yield checker
     finally:
         _active.remove(checker)
