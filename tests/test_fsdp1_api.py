@@ -264,6 +264,15 @@ def _fill(module: torch.nn.Module) -> None:
             t.copy_(torch.linspace(-1, 1, t.numel()).view(t.shape) * (i + 1))
 
 
+def _marked(model: torch.nn.Module) -> dict[str, bool]:
+    """Which parameters carry FSDP1's ``_fsdp_flattened`` mark (frameworks read it as "managed
+    by FSDP"), by clean name."""
+    return {
+        n.replace("_fsdp_wrapped_module.", ""): getattr(p, "_fsdp_flattened", False)
+        for n, p in model.named_parameters()
+    }
+
+
 def _init_cases() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for e in ENGINES:
@@ -286,6 +295,7 @@ def _init_cases() -> dict[str, Any]:
                 ]
             model = wrap(e, model=net, **kwargs)
             out[f"{how}/types/{e}"] = type(model.module.head.weight).__name__
+            out[f"{how}/marked/{e}"] = _marked(model)
             out[f"{how}/{e}"] = (train(model, 2)[0], full_state(model))
     # sync_module_states: every rank starts from its own weights, all end with rank 0's
     # (torch's FSDP1 refuses CPU tensors here, so the reference is rank 0's model)
@@ -299,7 +309,8 @@ def _init_cases() -> dict[str, Any]:
 def test_meta_init_ignored_states_and_sync_module_states() -> None:
     """Meta-device models materialised by ``param_init_fn`` or by ``reset_parameters()`` hold
     what torch's FSDP1 gives them; ignored modules / parameters stay plain, unsharded and
-    unsynchronised in both (each rank's own); ``sync_module_states`` starts every rank from
+    unsynchronised in both (each rank's own), without FSDP1's ``_fsdp_flattened`` mark, which
+    the managed ones carry in both; ``sync_module_states`` starts every rank from
     rank 0's weights (on the CPU too, which torch's FSDP1 refuses)."""
     for rank, out in enumerate(run_distributed(_init_cases, 2)):
         for how in ("param_init_fn", "reset_parameters"):
@@ -310,6 +321,9 @@ def test_meta_init_ignored_states_and_sync_module_states() -> None:
             assert l_t == pytest.approx(l_o, rel=1e-5), how
             assert max_diff(sd_t, sd_o) <= 1e-5, (how, rank)
             assert out[f"{how}/types/fullshard"] == "Parameter"
+            marked = out[f"{how}/marked/fullshard"]
+            assert marked == out[f"{how}/marked/torch"], (how, marked)
+            assert not marked["head.weight"] and marked["embed.weight"], (how, marked)
         assert out["sync_module_states"] == 0.0
 
 
@@ -339,6 +353,11 @@ def _api_cases() -> dict[str, Any]:
         out[f"roots/{e}"] = (model.check_is_root(), child.check_is_root(), model._is_root)
         flat = child._flat_param  # what Accelerate reads of it under mixed precision
         out[f"flat_param/{e}"] = (flat.dtype, flat.device.type, flat.requires_grad)
+        # FSDP1's mark on what parameters() yields: the FlatParameters or the originals
+        out[f"marked/{e}"] = [
+            {getattr(p, "_fsdp_flattened", False) for p in wrap(e, use_orig_params=o).parameters()}
+            for o in (True, False)
+        ]
         for what, refusal in _refusals(e, model, child).items():
             out[f"refused/{what}/{e}"] = refusal
         cls.set_state_dict_type(child, StateDictType.SHARDED_STATE_DICT)
@@ -423,7 +442,8 @@ def _fill_linear(m: torch.nn.Module) -> None:
 
 def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     """The wrapper's identity (torch's FSDP1 class, .module, attributes of the wrapped module,
-    fsdp_modules, roots, what frameworks read of ``_flat_param``); FSDP1's refusals with its exception types and first lines; apply()
+    fsdp_modules, roots, what frameworks read of ``_flat_param``, FSDP1's ``_fsdp_flattened``
+    mark on the parameters, with ``use_orig_params`` either way); FSDP1's refusals with its exception types and first lines; apply()
     on full parameters; a comm hook (torch's reduce_scatter_hook, counted: once per unit and
     backward) trains as under torch's FSDP1; no_sync() reduces nothing until it ends;
     keep_low_precision_grads is refused (fullshard keeps gradients in the parameters' dtype);
@@ -434,6 +454,7 @@ def test_wrapper_api_refusals_comm_hook_and_no_sync() -> None:
     assert out["identity/torch"] == out["identity/fullshard"] == (True, True, True, 3, True)
     assert out["roots/torch"] == out["roots/fullshard"] == (True, False, True)
     assert out["flat_param/torch"] == out["flat_param/fullshard"] == (torch.float32, "cpu", True)
+    assert out["marked/torch"] == out["marked/fullshard"] == [{True}, {True}]
     refused = sorted({k.split("/")[1] for k in out if k.startswith("refused/")})
     assert len(refused) == 8
     for what in refused:
@@ -482,6 +503,38 @@ def test_patch_torch_fsdp_rebinds_fsdp1s_class() -> None:
         assert fake.FSDP is fake.FullyShardedDataParallel is torch_cls
     finally:
         del sys.modules["fake_fsdp1_framework"], sys.modules[private.__name__]
+
+
+def test_patch_torch_fsdp_answers_lightnings_dtensor_test() -> None:
+    """Where Lightning is imported, ``patch_torch_fsdp()`` rebinds its ``_has_dtensor_modules``
+    (the test by which it loads a full checkpoint the FSDP2 way) to one that answers ``False``
+    for a model holding one of fullshard's FSDP1 wrappers and asks Lightning's otherwise; a
+    second patch keeps it, undo restores Lightning's (a stand-in module under Lightning's
+    name: the real one is checked by ``tests/clients``)."""
+    name = "lightning_fabric.strategies.model_parallel"
+    real = sys.modules.get(name)
+    fake = types.ModuleType(name)
+    lightnings = fake._has_dtensor_modules = lambda module: "asked Lightning's"  # type: ignore[attr-defined]
+    sys.modules[name] = fake
+    wrapper = OurFSDP.__new__(OurFSDP)  # an instance is all the test looks at
+    torch.nn.Module.__init__(wrapper)
+    try:
+        handle = fullshard.patch_torch_fsdp()
+        try:
+            ours = fake._has_dtensor_modules  # type: ignore[attr-defined]
+            assert ours is not lightnings and f"{name}._has_dtensor_modules" in handle.modules
+            assert ours(torch.nn.Sequential(torch.nn.Linear(1, 1), wrapper)) is False
+            assert ours(torch.nn.Linear(1, 1)) == ours(None) == "asked Lightning's"
+            assert fullshard.patch_torch_fsdp() is handle
+            assert fake._has_dtensor_modules is ours  # type: ignore[attr-defined]
+        finally:
+            handle.undo()
+        assert fake._has_dtensor_modules is lightnings  # type: ignore[attr-defined]
+    finally:
+        if real is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = real
 
 
 def _dcp_cases() -> dict[str, Any]:

@@ -27,6 +27,19 @@ holds torch's class under either name, so code that constructs ``FSDP(model, ...
 fullshard's wrapper (itself an instance of torch's class). torch's private FSDP1 modules keep
 their own class, which nothing constructs any more. (torch's class looks its static methods up
 in its defining module: while the patch is active, torch's own FSDP1 instances are not for use.)
+
+[Note: Lightning's DTensor test]
+One framework helper is rebound too. Lightning loads a full checkpoint into a model
+(``lightning.fabric.strategies.model_parallel._load_raw_module_state``, which Fabric's and the
+Trainer's ``FSDPStrategy`` call) the FSDP2 way when a parameter is a ``DTensor``
+(``_has_dtensor_modules``: it then looks the checkpoint's keys up by module path, which carry
+FSDP1's ``_fsdp_wrapped_module.`` where the checkpoint's do not: a ``KeyError``, or with
+``strict=False`` nothing loaded), else the FSDP1 way (``load_state_dict`` under
+``FULL_STATE_DICT``). torch's FSDP1's parameters never are a ``DTensor``; fullshard's
+wrapper's always are. So where Lightning is imported when the patch runs, its
+``_has_dtensor_modules`` (in ``lightning.fabric`` and ``lightning_fabric``) answers ``False``
+for a model holding one of fullshard's FSDP1 wrappers, as it does for torch's, and asks
+Lightning's own otherwise.
 """
 
 from __future__ import annotations
@@ -34,9 +47,12 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from torch import nn
 
 from . import api, torch_state
 from .fsdp1 import FullyShardedDataParallel
@@ -65,6 +81,14 @@ _FSDP1_DEFINING = "torch.distributed.fsdp.fully_sharded_data_parallel"
 
 
 _TORCH_FUNCS: dict[str, Any] = {}  # torch's original functions, read once before any patch
+
+# Lightning's DTensor test ([Note: Lightning's DTensor test]), in the modules that define it
+_LIGHTNING_DTENSOR_TEST = "_has_dtensor_modules"
+_LIGHTNING_DEFINING = (
+    "lightning.fabric.strategies.model_parallel",
+    "lightning_fabric.strategies.model_parallel",
+)
+_ORIGINAL = "__fullshard_original__"  # on a replacement: the function it stands in for
 
 
 @dataclass(frozen=True)
@@ -105,7 +129,33 @@ def _originals() -> dict[int, _Replacement]:
     out[id(torch_class)] = _Replacement(
         _FSDP1_NAMES, FullyShardedDataParallel, _FSDP1_PACKAGE, _FSDP1_DEFINING
     )
+    for original in _lightning_originals():  # [Note: Lightning's DTensor test]
+        out[id(original)] = _Replacement((_LIGHTNING_DTENSOR_TEST,), _fsdp1_aware(original))
     return out
+
+
+def _lightning_originals() -> list[Callable[[object], bool]]:
+    """Lightning's own ``_has_dtensor_modules`` of each of its modules already imported (none
+    is imported here), also where a patch has replaced it."""
+    found = (
+        getattr(sys.modules.get(n), _LIGHTNING_DTENSOR_TEST, None) for n in _LIGHTNING_DEFINING
+    )
+    return [getattr(f, _ORIGINAL, f) for f in found if f is not None]
+
+
+def _fsdp1_aware(original: Callable[[object], bool]) -> Callable[[object], bool]:
+    """Lightning's ``original`` DTensor test, ``False`` for a module holding one of fullshard's
+    FSDP1 wrappers ([Note: Lightning's DTensor test])."""
+
+    def _has_dtensor_modules(module: object) -> bool:
+        if isinstance(module, nn.Module) and any(
+            isinstance(m, FullyShardedDataParallel) for m in module.modules()
+        ):
+            return False
+        return original(module)
+
+    setattr(_has_dtensor_modules, _ORIGINAL, original)
+    return _has_dtensor_modules
 
 
 @dataclass
@@ -139,7 +189,8 @@ _LOCK = threading.Lock()
 def patch_torch_fsdp() -> TorchFSDPPatch:
     """Replace torch's ``fully_shard`` (its two helper functions and FSDP2's private
     ``_get_module_fsdp_state`` / ``_get_post_forward_mesh_info``) and FSDP1's
-    ``FullyShardedDataParallel`` class with fullshard's.
+    ``FullyShardedDataParallel`` class with fullshard's (and, where Lightning is imported, its
+    DTensor test: [Note: Lightning's DTensor test]).
 
     Idempotent: a second call re-scans for modules imported since (patching those too) and
     returns the same handle. ``handle.undo()`` restores torch's functions.

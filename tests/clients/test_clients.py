@@ -13,9 +13,11 @@ pipelining, 3 ranks to load the DCP checkpoints saved on 2, 4 ranks for pipelini
 - torchtitan (``titan.py``, a spawn of its own, skipped where torchtitan is not installed):
   its llama3 model, FSDP application and chunked loss; no chunk gathers anything.
 - FSDP1 (``fsdp1_clients.py``, a 2-rank spawn of its own): Accelerate's plugin with
-  ``fsdp_version=1`` and transformers' Trainer with an FSDP1 ``fsdp_config``, under torch's
-  FSDP1 and under fullshard's ``FullyShardedDataParallel`` (Accelerate's CPU fallback
-  overridden the same way, and its device set to ``cpu``, which torch's FSDP1 needs).
+  ``fsdp_version=1``, transformers' Trainer with an FSDP1 ``fsdp_config`` and Lightning's
+  ``FSDPStrategy`` (Fabric's and the Trainer's), under torch's FSDP1 and under fullshard's
+  ``FullyShardedDataParallel`` (Accelerate's CPU fallback overridden the same way, and its
+  device set to ``cpu``, which torch's FSDP1 needs; Lightning's GPU-only check passed by a
+  subclass, which hands torch's FSDP1 the CPU as ``device_id``).
 """
 
 from __future__ import annotations
@@ -188,3 +190,40 @@ def test_trainer_fsdp1(fsdp1_runs: list[dict[str, Any]]) -> None:
         ), (ours, torch_run)
         assert close(ours["resumed"], torch_run["resumed"]), (ours, torch_run)
         assert ours["resumed"][0] == ours["losses"][2]
+
+
+def test_lightning_fabric_fsdp1(fsdp1_runs: list[dict[str, Any]]) -> None:
+    """Lightning Fabric's FSDPStrategy (FSDP1), ``use_orig_params`` True (Lightning's default)
+    and False (Lightning then checks that the optimizer holds FSDP1's ``_fsdp_flattened``
+    parameters): losses (clipped by ``fabric.clip_gradients``) and the full weights as torch's
+    FSDP1's; ``fabric.load`` of a sharded checkpoint (fullshard's own, and torch's) and of a
+    full one (fullshard only: Lightning's full save offloads to the CPU, which crashes torch's
+    FSDP1 there) restores model and optimizer."""
+    import torch
+
+    for r in fsdp1_runs:
+        theirs, ours = r["torch"]["fabric"], r["fullshard"]["fabric"]
+        assert set(ours) == {f"{o}-{k}" for o in (True, False) for k in ("sharded", "full")}
+        for key, run in ours.items():
+            ref = theirs[key.replace("full", "sharded")]  # the steps before a save are the same
+            assert close(run["losses"] + run["after"], ref["losses"] + ref["after"]), (key, run)
+            assert close(run["again"], run["after"]), (key, run)
+            assert run["weights"].keys() == ref["weights"].keys()
+            for name, w in run["weights"].items():
+                torch.testing.assert_close(w, ref["weights"][name], rtol=0, atol=TOL)
+        for key, ref in theirs.items():
+            assert close(ref["again"], ref["after"]), (key, ref)
+            assert close(ours[key]["from_torch"], ref["after"]), (key, ours[key])
+
+
+def test_lightning_trainer_fsdp1(fsdp1_runs: list[dict[str, Any]]) -> None:
+    """Lightning's Trainer with FSDPStrategy (FSDP1, ``use_orig_params=False``): 4 steps as
+    torch's FSDP1's; resumed from the step-2 checkpoint (full, the Trainer's default, under
+    fullshard; sharded under torch, whose full save crashes on a CPU), steps 3 and 4 again."""
+    for r in fsdp1_runs:
+        theirs, ours = r["torch"]["lightning"], r["fullshard"]["lightning"]
+        assert ours["full"] and not theirs["full"]  # a file; torch's a folder of shards
+        assert len(ours["losses"]) == 4
+        assert close(ours["losses"], theirs["losses"]), (ours, theirs)
+        assert close(ours["resumed"], ours["losses"][2:]), ours
+        assert close(theirs["resumed"], theirs["losses"][2:]), theirs

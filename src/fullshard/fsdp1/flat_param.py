@@ -6,14 +6,35 @@ mixed precision is on, checks every wrapper's ``_flat_param`` for ``dtype``, ``d
 (``flat_param.data = flat_param.data.to(torch.float32)``). :class:`FlatParamSummary` answers
 the reads for the wrapper's own parameters; the in-place upcast is refused with the fix (load
 the model in float32), since fullshard's units keep their parameters' dtype.
+
+Frameworks also tell FSDP1's parameters by torch's mark, an attribute ``_fsdp_flattened =
+True``: torch's FSDP1 sets it on each ``FlatParameter`` and, with ``use_orig_params=True``, on
+the original parameters it keeps, so whatever ``model.parameters()`` yields for a wrapped
+module carries it. Lightning's ``FSDPStrategy`` with ``use_orig_params=False`` refuses an
+optimizer whose parameters lack it ("The optimizer does not seem to reference any FSDP
+parameters"). :func:`mark_flattened` sets it on a wrapper's parameters, whatever
+``use_orig_params`` says (there is no other parameter to mark); ignored ones stay unmarked, as
+in FSDP1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
-__all__ = ["FlatParamSummary"]
+__all__ = ["FSDP_FLATTENED", "FlatParamSummary", "mark_flattened"]
+
+# torch's name for FSDP1's mark (torch.distributed.fsdp._common_utils.FSDP_FLATTENED, private)
+FSDP_FLATTENED = "_fsdp_flattened"
+
+
+def mark_flattened(params: Iterable[nn.Parameter]) -> None:
+    """Mark ``params`` (a wrapper's own parameters) as managed by FSDP1, as torch's FSDP1
+    marks the parameters it manages (its ``_set_fsdp_flattened``)."""
+    for p in params:
+        setattr(p, FSDP_FLATTENED, True)
 
 
 class FlatParamSummary:

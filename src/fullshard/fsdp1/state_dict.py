@@ -24,7 +24,8 @@ names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1):
   laid out like the parameter is copied as it is, one laid out otherwise (another strategy's
   or mesh's) or torch's FSDP1's ``ShardedTensor`` is gathered and cut. So a full state dict, a
   sharded one from any strategy, or torch's FSDP1's ``SHARDED_STATE_DICT`` loads whatever
-  type is set.
+  type is set. A tensor-like value that is no ``torch.Tensor`` (Lightning's lazily loaded
+  checkpoint tensors, which ``nn.Module.load_state_dict`` takes) is loaded first.
 
 The hooks run bottom-up on save (each wrapper renames its own prefix after its children did)
 and top-down on load, as FSDP1's do.
@@ -51,6 +52,7 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 from torch.distributed.tensor import DTensor
+from torch.overrides import is_tensor_like
 
 from ..checkpoint.shards import local_box, slices, wrap_like
 
@@ -245,6 +247,16 @@ def _full_copy(t: DTensor) -> torch.Tensor:
     return full
 
 
+def _tensor_of(value: object) -> object:
+    """``value``, or the tensor a tensor-like ``value`` stands for: one that is no
+    ``torch.Tensor`` but overrides torch's functions (Lightning's ``_NotYetLoadedTensor``, which
+    its full-checkpoint loads hand over; torch's ``copy_`` would load it, but into a plain
+    tensor, which a ``DTensor`` parameter refuses)."""
+    if isinstance(value, torch.Tensor) or not is_tensor_like(value):
+        return value
+    return torch.detach(cast(torch.Tensor, value))
+
+
 def _before_load(
     module: nn.Module,
     state_dict: dict[str, Any],
@@ -262,9 +274,10 @@ def _before_load(
     local = cast(Any, module)._state_dict_type is StateDictType.LOCAL_STATE_DICT
     wrapped: nn.Module = cast(Any, module)._fsdp_wrapped_module
     for name, p in wrapped.named_parameters(prefix=inner[:-1], remove_duplicate=False):
-        value = state_dict.get(name)
+        value = _tensor_of(state_dict.get(name))
         if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor)):
             continue
+        state_dict[name] = value  # loaded, if it was a tensor-like
         if is_sharded_tensor(value):  # FSDP1's SHARDED_STATE_DICT
             state_dict[name] = shard_like(p, full_of_sharded_tensor(value))
         elif not isinstance(value, DTensor):

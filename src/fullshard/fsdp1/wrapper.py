@@ -54,7 +54,7 @@ from ..module import FullyShardError, UnshardHandle, adopt_applied_params
 from . import config
 from . import state_dict as S
 from .comm_hook import install_comm_hook
-from .flat_param import FlatParamSummary
+from .flat_param import FlatParamSummary, mark_flattened
 from .materialize import local_modules, materialize, move_to_device
 from .materialize import sync_module_states as sync_states
 from .optim_api import OptimStateDictMethods
@@ -181,6 +181,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             ignored_params=ignored_params,
         )
         record_replaced(originals, self)
+        self._mark_flattened()
         self._set_fsdp1_attributes(info, strategy, locals())
         self._ignored_modules = ignored_mods
         self._ignored_params = ignored_params
@@ -329,7 +330,13 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:  # type: ignore[override]
         ret = nn.Module._apply(self, fn, recurse)
         adopt_applied_params(self._unit)
+        self._mark_flattened()  # the unit may have adopted new parameter objects
         return ret
+
+    def _mark_flattened(self) -> None:
+        """Mark this wrapper's parameters with FSDP1's ``_fsdp_flattened``, which frameworks
+        read as "managed by FSDP" (``fullshard.fsdp1.flat_param``)."""
+        mark_flattened(sp.sharded_param for sp in self._unit.group.params)
 
     def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:  # type: ignore[override]
         states = [state] if isinstance(state, TrainingState) else state
