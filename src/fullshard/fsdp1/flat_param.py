@@ -26,7 +26,7 @@ from torch import nn
 
 __all__ = ["FSDP_FLATTENED", "FlatParamSummary", "mark_flattened"]
 
-# torch's name for FSDP1's mark (torch.distributed.fsdp._common_utils.FSDP_FLATTENED, private)
+# the attribute torch's FSDP1 marks its parameters with (FSDP_FLATTENED in its private common utils)
 FSDP_FLATTENED = "_fsdp_flattened"
 
 
