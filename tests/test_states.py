@@ -83,7 +83,7 @@ def _out_of_order() -> dict[str, str]:
         state._training_state = TrainingState.POST_BACKWARD  # as if the step had not ended
         try:
             move()
-            out[how] = "accepted"
+            out[how] = f"accepted, {state.training_state.value}"
         except RuntimeError as e:
             out[how] = str(e)
     return out
@@ -91,11 +91,10 @@ def _out_of_order() -> dict[str, str]:
 
 def test_a_hook_out_of_order_names_the_unit() -> None:
     out = run_distributed(_out_of_order, 2)[0]
-    for how, new in [
-        ("setter", "pre_backward"),
-        ("pre-backward hook", "pre_backward"),
-        ("forward", "forward"),
-    ]:
+    # another output's gradient may arrive after the unit's post-backward: its hook leaves the
+    # unit as it is ([Note: parameters read after the unit's last gradient])
+    assert out["pre-backward hook"] == "accepted, post_backward"
+    for how, new in [("setter", "pre_backward"), ("forward", "forward")]:
         want = f"unit '0': illegal training-state change post_backward -> {new}"
         assert want in out[how], (how, out[how])
 

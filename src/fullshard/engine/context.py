@@ -181,17 +181,18 @@ class StepContext(Generic[U]):
             else:
                 oldest.finish()
 
-    def reduce(self, unit: U, post_backward: bool = False) -> None:
+    def reduce(self, unit: U, post_backward: bool = False, reshard: bool = True) -> None:
         """Issue ``unit``'s reductions (``ParamGroup.reduce_grads``), first finishing older
         ones until there is room for them (:meth:`make_room`): how every unit reduces, from
         its post-backward (``post_backward``: the host strategy may keep or lend its memory),
-        the end-of-backward callback or ``finalize_backward``."""
+        the end-of-backward callback or ``finalize_backward``. ``reshard=False``: the unit
+        stays gathered (the backward still reads it; resharded later)."""
         keep, slab = False, 0
         if post_backward and self.host is not None:
             keep, slab = self.host.after_backward(self.order, unit)
         group = unit.group
         self.make_room(group.unsharded_nbytes())
-        self.pending.extend(group.reduce_grads(recycle=keep, slab=slab))
+        self.pending.extend(group.reduce_grads(recycle=keep, slab=slab, reshard=reshard))
 
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.

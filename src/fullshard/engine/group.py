@@ -476,6 +476,7 @@ class ParamGroup:
     def _free_unsharded(self, new: ShardedState, recycle: bool = False, lend: bool = False) -> None:
         if self.state is ShardedState.UNSHARDED:
             for sp in self.own_params:
+                sp.sync_requires_grad()  # a requires_grad_ on the registered unsharded one
                 sp.to_sharded()
         self._release(recycle, lend)  # also a gather in pieces never waited on
         self._to(new)
@@ -503,28 +504,21 @@ class ParamGroup:
         self._free_unsharded(ShardedState.SHARDED_POST_FORWARD)
 
     # ---------------------------------------------------------------------------- backward
-    # [Note: requires_grad set after fully_shard]
-    # Users freeze and unfreeze parameters through the registered (sharded) parameters, often
-    # after ``fully_shard`` (FSDP2's own tests freeze between ``fully_shard`` and the first
-    # forward, or unfreeze later to fine-tune more). The sharded parameter's flag is the truth
-    # (``ShardedParam.requires_grad``), and the module computes with the unsharded one, so
-    # before each forward the unit copies the flag over: a frozen parameter gets no gradient
-    # (nor an optimizer update: optimizers step every parameter with a gradient), an
-    # unfrozen one gets its gradient hook, and the count that fires post-backward follows.
     def sync_requires_grad(self) -> None:
-        """Give the unsharded parameters the sharded ones' ``requires_grad`` (see the Note)."""
-        changed = False
+        """Make each parameter's sharded and unsharded forms agree on ``requires_grad``,
+        hook newly trainable ones and recount the gradients post-backward waits for ([Note:
+        requires_grad set after fully_shard] in ``fullshard.engine.param``)."""
         for sp in self.params:
+            sp.sync_requires_grad()
             up = sp.unsharded_param
-            want = sp.sharded_param.requires_grad
-            if up is None or up.requires_grad == want:
-                continue
-            up.requires_grad_(want)
-            if want and not sp.grad_hooked and self._on_grad_accumulated is not None:
-                sp.hook_grad(self._on_grad_accumulated)
-            changed = True
-        if changed:
-            self._grads_expected = sum(1 for sp in self.params if sp.requires_grad)
+            if up is not None and sp.requires_grad and not sp.grad_hooked:
+                if self._on_grad_accumulated is not None:
+                    sp.hook_grad(self._on_grad_accumulated)
+        self._grads_expected = sum(1 for sp in self.params if sp.requires_grad)
+
+    def holds_frozen(self) -> bool:
+        """Whether a parameter of the unit gets no gradient (frozen)."""
+        return any(not sp.requires_grad for sp in self.params)
 
     def on_grad_accumulated(self, sp: ShardedParam) -> bool:
         """Note that ``sp``'s gradient is ready; True when that completes the unit (each
@@ -540,10 +534,12 @@ class ParamGroup:
         return len(self._grads_arrived) == self._grads_expected
 
     @labelled("reduce_scatter")
-    def reduce_grads(self, recycle: bool = False, slab: int = 0) -> list[PendingReduce]:
-        """Post-backward: take the gradients, reshard (``recycle``: see :meth:`reshard`),
-        then reduce-scatter them. ``slab``: first open a slab of that many bytes for the
-        reduce-scatter outputs ([Note: gradient memory lent for the next forward]).
+    def reduce_grads(
+        self, recycle: bool = False, slab: int = 0, reshard: bool = True
+    ) -> list[PendingReduce]:
+        """Post-backward: take the gradients, reshard (unless ``reshard=False``; ``recycle``:
+        see :meth:`reshard`), then reduce-scatter them; ``slab``: first open a slab of that many
+        bytes for their outputs ([Note: gradient memory lent for the next forward]).
 
         Returns the reductions in flight, one per group with gradients (this one and any
         child on another mesh); none while gradient sync is off, in which case gradients
@@ -555,8 +551,9 @@ class ParamGroup:
             slab = 0
         # the unit's own freed buffer, where it is that size and no gather takes it
         lend = bool(slab) and slab == self.unsharded_nbytes() and not recycle
-        lend = lend and self.reshard_after_backward
-        if self.reshard_after_backward:
+        reshard = reshard and self.reshard_after_backward
+        lend = lend and reshard
+        if reshard:
             self.reshard(recycle, lend)
         if slab and not lend and self.comm.host is not None:
             self.comm.host.open_slab(None, slab)

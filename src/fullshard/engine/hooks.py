@@ -95,6 +95,9 @@ class FSDPState:
         # ids of the unit's modules whose forward has not finished in this forward: the unit's
         # post-forward runs when the last one's does (a unit of several modules)
         self._forward_pending: set[int] = set()
+        # [Note: parameters read after the unit's last gradient]
+        self.nests_units = False  # other units run inside this one's forward (set by lazy init)
+        self._input_grads_pending = 0  # this step's input-gradient hooks not fired yet
 
     @property
     def name(self) -> str:
@@ -147,6 +150,7 @@ class FSDPState:
     def reset_forward(self) -> None:
         """Forget a forward that did not finish (end of backward, ``reset_iter_state``)."""
         self._forward_pending = set()
+        self._input_grads_pending = 0
 
     # ------------------------------------------------------------------------- lazy init
     def lazy_init(self) -> StepContext[FSDPState]:
@@ -175,6 +179,7 @@ class FSDPState:
             st.group.bind(ctx.comm)
             st.group.init_layout(st.on_grad_accumulated)
             st.resolve_reshard()
+            st.nests_units = len(st.subtree_states()) > 1
         return ctx
 
     @property
@@ -218,6 +223,8 @@ class FSDPState:
                 self._unshard_for_forward()
         else:
             self._unshard_for_forward()
+        if torch.is_grad_enabled() and not _in_backward() and self.group.holds_frozen():
+            self._watch_input_grads((args, kwargs))
         return args, kwargs
 
     def _unshard_for_forward(self) -> None:
@@ -343,7 +350,10 @@ class FSDPState:
         a unit of several modules]): only make sure the unit is gathered."""
         ctx = self._context()
         ctx.ensure_end_of_backward_callback()
-        if self.training_state is TrainingState.PRE_BACKWARD:  # another output's hook
+        # Another output's hook: in PRE_BACKWARD the unit is gathered already; in
+        # POST_BACKWARD every gradient of the unit is in and what the rest of the backward may
+        # still read of it is gathered ([Note: parameters read after the unit's last gradient]).
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
         if not starts:
             if self.group.unshard_in_backward:
@@ -374,8 +384,52 @@ class FSDPState:
         # Finish the previous unit's reduction first (it has had this unit's whole backward to
         # complete in the background), so its buffer is freed before this one is allocated:
         # at most one reduction in flight (set_reduce_scatter_max_input_buffers: more).
-        ctx.reduce(self, post_backward=True)
+        ctx.reduce(self, post_backward=True, reshard=not self._read_after_last_grad())
         self.training_state = TrainingState.POST_BACKWARD
+
+    # [Note: parameters read after the unit's last gradient]
+    # Post-backward fires when the unit's last trainable gradient has been accumulated, and
+    # reshards. Autograd may still read the unit's parameters after that, but only those that
+    # get no gradient (frozen ones): a trainable parameter read later would get a gradient
+    # later. Such a read computes the gradient of something the unit's forward consumed:
+    # - its inputs: a frozen layer between the unit's input and its trainable layers (a LoRA
+    #   block, a frozen projection before a trainable head). The unit then stays gathered
+    #   until the gradients of all its inputs are computed (a hook on them, registered in
+    #   forward, only for units that hold a frozen parameter), as FSDP2's post-backward,
+    #   which runs on the unit's inputs' gradients;
+    # - the output of a unit run inside this unit's forward (the root, or any unit that nests
+    #   units, with a frozen parameter applied to a child's output): the unit stays gathered
+    #   until the end of backward, as FSDP2's root.
+    # Without frozen parameters nothing is read later, and a pre-backward hook that fires
+    # after the post-backward (another output of the unit whose gradient arrives last, e.g. a
+    # root returning two heads' outputs) leaves the unit as it is.
+    def _read_after_last_grad(self) -> bool:
+        """Whether the backward may still read this unit's parameters after its last gradient
+        (see the Note): the reshard after backward then waits."""
+        if not self.group.holds_frozen():
+            return False
+        return self.nests_units or self._input_grads_pending > 0
+
+    def _watch_input_grads(self, inputs: Any) -> None:
+        """Reshard after backward once the gradients of this forward's inputs are computed
+        (see the Note)."""
+        tensors = [
+            t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not tensors:
+            return
+        self._input_grads_pending += 1
+        torch.autograd.graph.register_multi_grad_hook(tensors, self._input_grads_done, mode="all")
+
+    def _input_grads_done(self, grads: Any) -> None:
+        self._input_grads_pending = max(self._input_grads_pending - 1, 0)
+        if (
+            self._input_grads_pending == 0
+            and not self.nests_units
+            and self.training_state is TrainingState.POST_BACKWARD
+            and self.group.reshard_after_backward
+        ):
+            self.group.reshard()
 
     # --------------------------------------------------------------------------- helpers
     def reshard_if_idle(self) -> None:

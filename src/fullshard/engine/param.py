@@ -132,6 +132,8 @@ class ShardedParam:
         self.sharded_param = nn.Parameter(
             self._wrap_sharded(local), requires_grad=param.requires_grad
         )
+        # the flag both parameters had at the last sync_requires_grad
+        self._synced_requires_grad = param.requires_grad
         # The user's original Parameter, to recognise it when a module outside this unit still
         # holds it (tied weights across units). Weak: it must not keep full-size memory alive.
         self._orig_ref = weakref.ref(param)
@@ -166,8 +168,37 @@ class ShardedParam:
     def requires_grad(self) -> bool:
         """Whether the parameter is trainable: the registered sharded parameter's flag, which
         users set (``requires_grad_``) before or after ``fully_shard``; see [Note: requires_grad
-        set after fully_shard] in ``fullshard.engine.group``."""
+        set after fully_shard]."""
         return self.sharded_param.requires_grad
+
+    # [Note: requires_grad set after fully_shard]
+    # Users freeze and unfreeze parameters through the registered parameters, often after
+    # ``fully_shard`` (FSDP2's own tests freeze between ``fully_shard`` and the first forward,
+    # or unfreeze later to fine-tune more; an evaluation pass may be written as
+    # ``requires_grad_(False)``, forward, ``requires_grad_(True)``). Which parameter is
+    # registered depends on the moment: the sharded one, or the unsharded one while the unit
+    # is gathered (the root after its forward). The module computes with the unsharded one and
+    # the optimizer sees the sharded one, so the unit makes the two agree
+    # (``ShardedParam.sync_requires_grad``: the one changed since the last sync wins) before
+    # each forward and whenever it registers the sharded parameters again: a frozen parameter
+    # gets no gradient (nor an optimizer update: optimizers step every parameter with a
+    # gradient), an unfrozen one gets its gradient hook, and the count that fires
+    # post-backward follows.
+    def sync_requires_grad(self) -> bool:
+        """Make the sharded and the unsharded parameter agree on ``requires_grad``: the one
+        changed since the last sync wins (the unsharded one is what the module registers while
+        the unit is gathered, e.g. the root after its forward, so a ``requires_grad_`` then
+        lands there). Returns whether either flag changed."""
+        up, last = self.unsharded_param, self._synced_requires_grad
+        s = self.sharded_param.requires_grad
+        u = s if up is None else up.requires_grad
+        want = u if s == last else s
+        if up is not None and u != want:
+            up.requires_grad_(want)
+        if s != want:
+            self.sharded_param.requires_grad_(want)
+        self._synced_requires_grad = want
+        return want != last or u != s
 
     def _shape_with(self, rows: int) -> torch.Size:
         shape = list(self.data_shape)

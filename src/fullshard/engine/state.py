@@ -28,10 +28,12 @@ names the unit: a hook firing in an unexpected order fails loudly instead of cor
 
 (FORWARD --backward--> is a unit of several modules whose forward did not end: one of its
 modules did not run.) Every hook moves through the guard; the only calls that leave the state
-as it is are a pre-backward in PRE_BACKWARD (the hook of another output of the unit) and a
+as it is are a pre-backward in PRE_BACKWARD or POST_BACKWARD (the hook of another output of
+the unit, whose gradient may arrive after the unit's last parameter gradient: [Note:
+parameters read after the unit's last gradient] in ``fullshard.engine.hooks``) and a
 recomputation under activation checkpointing (a forward during backward). Refused: a forward
 in PRE_BACKWARD or POST_BACKWARD (after a backward that raised: ``reset_iter_state`` first),
-and a pre-backward or post-backward after the unit's post-backward, before the step ended.
+a direct move back to PRE_BACKWARD and a second post-backward before the step ended.
 """
 
 from __future__ import annotations
