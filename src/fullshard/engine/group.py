@@ -517,8 +517,8 @@ class ParamGroup:
         self._grads_expected = sum(1 for sp in self.params if sp.requires_grad)
 
     def holds_frozen(self) -> bool:
-        """Whether a parameter of the unit gets no gradient (frozen)."""
-        return any(not sp.requires_grad for sp in self.params)
+        """Whether a parameter of the unit gets no gradient (frozen; as of the last forward)."""
+        return self._grads_expected < len(self.params)
 
     def on_grad_accumulated(self, sp: ShardedParam) -> bool:
         """Note that ``sp``'s gradient is ready; True when that completes the unit (each
