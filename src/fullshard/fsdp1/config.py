@@ -43,6 +43,7 @@ from ..engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPol
 __all__ = [
     "HYBRID",
     "check_device",
+    "check_same_params",
     "device_of",
     "is_stand_in",
     "mesh_cache",
@@ -83,8 +84,7 @@ def warn_strategy(strategy: ShardingStrategy, world_size: int) -> None:
     ``NO_SHARD`` (deprecated for ``DistributedDataParallel``)."""
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
         warnings.warn(
-            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size "
-            f"is 1.",
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
             stacklevel=4,
         )
     elif world_size > 1 and strategy is ShardingStrategy.NO_SHARD:
@@ -351,6 +351,28 @@ def resolve_ignored(
         out |= sub.__dict__.get("_ignored_modules", set())
         ignored |= sub.__dict__.get("_ignored_params", set())
     return out, ignored
+
+
+def check_same_params(
+    module: torch.nn.Module, params: list[tuple[str, torch.Size]], group: dist.ProcessGroup
+) -> None:
+    """Refuse, on every rank, a unit whose parameters (their shapes, in order; names may
+    differ, as FSDP1's flat parameter does not see them) differ across the ranks of its group
+    (``ignored_modules`` / ``ignored_states`` that differ across ranks), whose collectives
+    would not match (an abort or a hang): one small gather at construction."""
+    if dist.get_world_size(group) == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, params, group=group)
+    shapes = [[tuple(shape) for _, shape in theirs] for theirs in everyone]
+    for rank, theirs in enumerate(shapes):
+        if theirs != shapes[0]:
+            raise ValueError(
+                f"the FullyShardedDataParallel of {type(module).__name__} shards different "
+                f"parameters on its group's ranks 0 ({len(shapes[0])}: {shapes[0]}) and {rank} "
+                f"({len(theirs)}: {theirs}): ignored_modules / ignored_states differ across "
+                f"ranks; pass the same ignored modules and parameters on every rank"
+            )
 
 
 def _split_ignored(

@@ -144,7 +144,9 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         kwargs = {k: v for k, v in locals().items() if k in _ROOT_KWARGS}
         kwargs.update(auto_wrap_policy=None, ignored_states=ignored_params)
         if config.is_stand_in(process_group):
-            self._init_stand_in(module, auto_wrap_policy, kwargs, device, ignored_mods, ignored_params)
+            self._init_stand_in(
+                module, auto_wrap_policy, kwargs, device, ignored_mods, ignored_params
+            )
             return
         with config.mesh_cache():
             device_type = config.resolve_device_type(device, module)
@@ -183,12 +185,14 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             offload_policy=config.offload_policy_of(cpu_offload),
             ignored_params=ignored_params,
         )
-        record_replaced(originals, self)
-        self._mark_flattened()
         if strategy is ShardingStrategy.NO_SHARD:  # FSDP1's group: the replicas
             group, size = info.replicate_group, info.replicate_size
         else:
             group, size = info.shard_group, info.shard_size
+        own_params = [(sp.fqn, sp.orig_shape) for sp in self._unit.group.params]
+        config.check_same_params(module, own_params, cast(dist.ProcessGroup, group))
+        record_replaced(originals, self)
+        self._mark_flattened()
         self._set_fsdp1_attributes(group, size, info.device, kwargs)
         self._ignored_modules = ignored_mods
         self._ignored_params = ignored_params
@@ -208,7 +212,12 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         nothing is sharded, and what would communicate refuses (:attr:`_unit`)."""
         if policy is not None:
             auto_wrap(
-                module, policy, ignored_mods, ignored_params, kwargs, FullyShardedDataParallel,
+                module,
+                policy,
+                ignored_mods,
+                ignored_params,
+                kwargs,
+                FullyShardedDataParallel,
                 _is_unit,
             )
         self._fsdp_wrapped_module = module
@@ -526,7 +535,9 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             wrappers = FullyShardedDataParallel.fsdp_modules(module)
         else:
             wrappers = [module] if isinstance(module, FullyShardedDataParallel) else []
-        no_shard = any(w.sharding_strategy is ShardingStrategy.NO_SHARD and w._has_params for w in wrappers)
+        no_shard = any(
+            w.sharding_strategy is ShardingStrategy.NO_SHARD and w._has_params for w in wrappers
+        )
         check_summon_args(writeback, rank0_only, offload_to_cpu, with_grads, no_shard)
         for w in wrappers:  # FSDP1's checks and messages
             if w.training_state is TrainingState.FORWARD_BACKWARD:
