@@ -45,6 +45,7 @@ __all__ = [
     "check_device",
     "check_same_params",
     "device_of",
+    "fsdp1_group",
     "is_stand_in",
     "mesh_cache",
     "mp_policy_of",
@@ -54,6 +55,7 @@ __all__ = [
     "resolve_ignored",
     "resolve_mesh",
     "resolve_strategy",
+    "warn_container",
     "warn_strategy",
 ]
 
@@ -66,6 +68,24 @@ _RESHARD: dict[ShardingStrategy, bool | None] = {
     ShardingStrategy._HYBRID_SHARD_ZERO2: False,
 }
 _NAMES = ("replicate", "shard")
+
+
+def fsdp1_group(info: Any, strategy: ShardingStrategy) -> tuple[dist.ProcessGroup, int]:
+    """FSDP1's ``process_group`` and its size: the replicas' under ``NO_SHARD`` (fullshard's
+    shard group is then one rank), else the shard group (the intra-node one if hybrid)."""
+    if strategy is ShardingStrategy.NO_SHARD:
+        return cast(dist.ProcessGroup, info.replicate_group), info.replicate_size
+    return info.shard_group, info.shard_size
+
+
+def warn_container(module: torch.nn.Module) -> None:
+    """FSDP1's warning for a container without a forward (its parameters stay sharded)."""
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        warnings.warn(
+            f"FSDP will not all-gather parameters for containers that do not implement "
+            f"forward: {module}",
+            stacklevel=3,
+        )
 
 
 def resolve_strategy(strategy: ShardingStrategy | None) -> ShardingStrategy:

@@ -130,12 +130,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         originals = named_originals(module)  # what an optimizer built before may hold
         self._summoning = False  # inside summon_full_params
         self._buffers_cast = False  # buffer_dtype applied (the root's first forward)
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            warnings.warn(
-                f"FSDP will not all-gather parameters for containers that do not implement "
-                f"forward: {module}",
-                stacklevel=2,
-            )
+        config.warn_container(module)
         strategy = config.resolve_strategy(sharding_strategy)
         ignored_mods, ignored_params = config.resolve_ignored(
             module, ignored_modules, ignored_states, _is_unit
@@ -185,18 +180,12 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             offload_policy=config.offload_policy_of(cpu_offload),
             ignored_params=ignored_params,
         )
-        if strategy is ShardingStrategy.NO_SHARD:  # FSDP1's group: the replicas
-            group, size = info.replicate_group, info.replicate_size
-        else:
-            group, size = info.shard_group, info.shard_size
+        group, size = config.fsdp1_group(info, strategy)
         own_params = [(sp.fqn, sp.orig_shape) for sp in self._unit.group.params]
-        config.check_same_params(module, own_params, cast(dist.ProcessGroup, group))
+        config.check_same_params(module, own_params, group)
         record_replaced(originals, self)
         self._mark_flattened()
-        self._set_fsdp1_attributes(group, size, info.device, kwargs)
-        self._ignored_modules = ignored_mods
-        self._ignored_params = ignored_params
-        S.install_state_dict_hooks(self)
+        self._finish_init(group, size, info.device, kwargs, ignored_mods, ignored_params)
 
     def _init_stand_in(
         self,
@@ -223,7 +212,18 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         self._fsdp_wrapped_module = module
         self._buffer_dtypes = {S.clean_fqn(n): b.dtype for n, b in module.named_buffers()}
         group = kwargs["process_group"]
-        self._set_fsdp1_attributes(group, group.size(), device, kwargs)
+        self._finish_init(group, group.size(), device, kwargs, ignored_mods, ignored_params)
+
+    def _finish_init(
+        self,
+        group: Any,
+        world_size: int,
+        device: Any,
+        kwargs: dict[str, Any],
+        ignored_mods: set[nn.Module],
+        ignored_params: set[nn.Parameter],
+    ) -> None:
+        self._set_fsdp1_attributes(group, world_size, device, kwargs)
         self._ignored_modules = ignored_mods
         self._ignored_params = ignored_params
         S.install_state_dict_hooks(self)
