@@ -240,6 +240,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         self.rank = group.rank() if config.is_stand_in(group) else dist.get_rank(group)
         self.world_size = world_size
         self.sharding_strategy = ShardingStrategy.NO_SHARD if world_size == 1 else strategy
+        self._strategy = strategy  # the one the unit runs (its mesh, its resharding)
         self.mixed_precision = args["mixed_precision"] or MixedPrecision()
         self.cpu_offload = args["cpu_offload"] or CPUOffload()
         self.backward_prefetch = args["backward_prefetch"]
@@ -494,12 +495,11 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             raise AssertionError("register_comm_hook can only be called on a root instance.")
         wrappers = FullyShardedDataParallel.fsdp_modules(self)
         for w in wrappers:
-            if w.sharding_strategy in config.HYBRID:
+            if w._strategy in config.HYBRID:
                 raise AssertionError(
-                    f"Communication hook is not supported for hybrid strategies: "
-                    f"{w.sharding_strategy}"
+                    f"Communication hook is not supported for hybrid strategies: {w._strategy}"
                 )
-            if w.sharding_strategy is ShardingStrategy.NO_SHARD:
+            if w._strategy is ShardingStrategy.NO_SHARD:
                 raise NotImplementedError(
                     "register_comm_hook with NO_SHARD (an all-reduce hook) is not supported by "
                     "fullshard: NO_SHARD reduces across replicas itself"
