@@ -218,6 +218,8 @@ def _device_ids(e: str) -> dict[str, Any]:
         model = wrap(e, make_net(), device_id=device_id)
         devices = {p.device.type for p in model.parameters()}
         out[label] = (devices, model.compute_device.type, train(model, 2)[0])
+    if torch.accelerator.current_accelerator() is None:  # an index names an accelerator
+        out["index"] = _raised(lambda: ENGINES[e](nn.Linear(2, 2), device_id=0))
     return out
 
 
@@ -252,6 +254,9 @@ def test_constructor_matches_fsdp1() -> None:
     for label in ("str", "device"):
         assert ours[label][:2] == theirs[label][:2] == ({"cpu"}, "cpu"), label
         assert ours[label][2] == pytest.approx(theirs[label][2], rel=1e-5), label
+    if "index" in theirs:
+        assert theirs["index"][0] == ours["index"][0] == "RuntimeError", (ours, theirs)
+        assert "no accelerator" in ours["index"][1]
     theirs, ours = out["ignored checks/torch"], out["ignored checks/fullshard"]
     assert ours["top-level"] == theirs["top-level"] != []
     for what in ("params as modules", "mixed states", "not iterable"):

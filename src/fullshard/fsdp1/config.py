@@ -112,7 +112,7 @@ def warn_strategy(strategy: ShardingStrategy, world_size: int) -> None:
             "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
             "`DistributedDataParallel` instead.",
             FutureWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
@@ -161,7 +161,12 @@ def device_of(device_id: int | str | torch.device | None) -> torch.device | None
         )
     if isinstance(device_id, int):
         accelerator = torch.accelerator.current_accelerator()
-        return torch.device(accelerator.type if accelerator else "cuda", device_id)
+        if accelerator is None:
+            raise RuntimeError(
+                f"device_id={device_id} is an accelerator's index, but torch sees no "
+                f"accelerator: pass device_id='cpu' (or torch.device('cpu')) to run on the CPU"
+            )
+        return torch.device(accelerator.type, device_id)
     device = torch.device(device_id)
     if device.type in ("cpu", "meta") or device.index is not None:
         return device
