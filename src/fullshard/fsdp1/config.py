@@ -105,7 +105,7 @@ def warn_strategy(strategy: ShardingStrategy, world_size: int) -> None:
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
         warnings.warn(
             f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
-            stacklevel=4,
+            stacklevel=5,
         )
     elif world_size > 1 and strategy is ShardingStrategy.NO_SHARD:
         warnings.warn(
