@@ -45,6 +45,7 @@ tensor dim), and gradients keep their dp placements (the reduction handles those
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Callable
 
@@ -60,6 +61,19 @@ from .mesh import MeshInfo
 from .streamcheck import freed
 
 __all__ = ["ShardedParam"]
+
+
+def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<name>``: directly, or through the module's own
+    ``__setattr__`` where its class overrides it (as FSDP2 and FSDP1 do, so such a module sees
+    the swaps), unless ``FSDP_USE_UNSAFE_SETATTR=1`` (FSDP1's switch) says not to."""
+    if (
+        getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__
+        or os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") == "1"
+    ):
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -405,7 +419,7 @@ class ShardedParam:
         """Record that ``module.<name>`` registers this parameter and point it at the shard."""
         if not any(m is module and n == name for m, n in self.refs):
             self.refs.append((module, name))
-        module._parameters[name] = self.sharded_param
+        set_param(module, name, self.sharded_param)
 
     def sync_from_modules(self) -> None:
         """Adopt the parameter currently registered on the first module that holds it.
@@ -432,12 +446,12 @@ class ShardedParam:
         self.orig_dtype = current.dtype
         self.sharded_param = current
         for m, n in self.refs:
-            m._parameters[n] = current
+            set_param(m, n, current)
 
     def to_sharded(self) -> None:
         """Register the sharded DTensor parameter on every referencing module."""
         for module, name in self.refs:
-            module._parameters[name] = self.sharded_param
+            set_param(module, name, self.sharded_param)
 
     # [Note: one version counter per unsharded parameter]
     # A unit's unsharded parameters are views of its one buffer, and views share their base's
@@ -472,7 +486,7 @@ class ShardedParam:
         """Register the unsharded parameter (a view into the unit's buffer)."""
         assert self.unsharded_param is not None
         for module, name in self.refs:
-            module._parameters[name] = self.unsharded_param
+            set_param(module, name, self.unsharded_param)
 
     def make_grad(self, local_grad: torch.Tensor) -> None:
         """Set (or accumulate into) the sharded gradient from this rank's reduced shard."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
@@ -41,7 +42,11 @@ from ..engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPol
 
 __all__ = [
     "HYBRID",
+    "check_device",
+    "check_same_params",
     "device_of",
+    "fsdp1_group",
+    "is_stand_in",
     "mesh_cache",
     "mp_policy_of",
     "offload_policy_of",
@@ -50,6 +55,8 @@ __all__ = [
     "resolve_ignored",
     "resolve_mesh",
     "resolve_strategy",
+    "warn_container",
+    "warn_strategy",
 ]
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -63,6 +70,24 @@ _RESHARD: dict[ShardingStrategy, bool | None] = {
 _NAMES = ("replicate", "shard")
 
 
+def fsdp1_group(info: Any, strategy: ShardingStrategy) -> tuple[dist.ProcessGroup, int]:
+    """FSDP1's ``process_group`` and its size: the replicas' under ``NO_SHARD`` (fullshard's
+    shard group is then one rank), else the shard group (the intra-node one if hybrid)."""
+    if strategy is ShardingStrategy.NO_SHARD:
+        return cast(dist.ProcessGroup, info.replicate_group), info.replicate_size
+    return info.shard_group, info.shard_size
+
+
+def warn_container(module: torch.nn.Module) -> None:
+    """FSDP1's warning for a container without a forward (its parameters stay sharded)."""
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        warnings.warn(
+            f"FSDP will not all-gather parameters for containers that do not implement "
+            f"forward: {module}",
+            stacklevel=3,
+        )
+
+
 def resolve_strategy(strategy: ShardingStrategy | None) -> ShardingStrategy:
     if strategy is None:
         return ShardingStrategy.FULL_SHARD
@@ -72,6 +97,23 @@ def resolve_strategy(strategy: ShardingStrategy | None) -> ShardingStrategy:
             f"{type(strategy).__name__}"
         )
     return strategy
+
+
+def warn_strategy(strategy: ShardingStrategy, world_size: int) -> None:
+    """FSDP1's warnings: a sharding strategy at world size 1 (it runs ``NO_SHARD``), and
+    ``NO_SHARD`` (deprecated for ``DistributedDataParallel``)."""
+    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
+            stacklevel=5,
+        )
+    elif world_size > 1 and strategy is ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+            "`DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=5,
+        )
 
 
 def reshard_after_forward_of(strategy: ShardingStrategy) -> bool | None:
@@ -107,18 +149,70 @@ def offload_policy_of(cpu_offload: CPUOffload | None) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=True)
 
 
-def device_of(device_id: int | torch.device | None) -> torch.device | None:
-    """FSDP1's ``device_id``: a device, or an index of the accelerator torch runs on."""
-    if device_id is None or isinstance(device_id, torch.device):
-        return device_id
-    accelerator = torch.accelerator.current_accelerator()
-    return torch.device(accelerator.type if accelerator else "cuda", device_id)
+def device_of(device_id: int | str | torch.device | None) -> torch.device | None:
+    """FSDP1's ``device_id``: a ``torch.device``, a string (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``) or an index of the accelerator torch runs on. A non-CPU device without an
+    index means the current device of its type, with FSDP1's warning."""
+    if device_id is None:
+        return None
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
+        raise TypeError(
+            f"device_id must be an int, a str or a torch.device, got {type(device_id).__name__}"
+        )
+    if isinstance(device_id, int):
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None:
+            raise RuntimeError(
+                f"device_id={device_id} is an accelerator's index, but torch sees no "
+                f"accelerator: pass device_id='cpu' (or torch.device('cpu')) to run on the CPU"
+            )
+        return torch.device(accelerator.type, device_id)
+    device = torch.device(device_id)
+    if device.type in ("cpu", "meta") or device.index is not None:
+        return device
+    current = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    warnings.warn(
+        f"FSDP got the argument `device_id` {device_id} on rank {_rank()}, which does "
+        f"not have an explicit index. FSDP will use the current device {current}. If this is "
+        f"incorrect, call `torch.{device.type}.set_device()` before FSDP initialization or "
+        f"pass the device with its index as `device_id`.",
+        stacklevel=3,
+    )
+    return current
 
 
-def resolve_device_type(device_id: int | torch.device | None, module: torch.nn.Module) -> str:
-    """The mesh's device type: ``device_id``'s, else that of the module's parameters when they
-    are on an accelerator, else the default group's (``cuda`` where it runs NCCL)."""
-    device = device_of(device_id)
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_stand_in(process_group: Any) -> bool:
+    """Whether ``process_group`` is a stand-in: an object with ``rank()`` and ``size()`` that
+    is not a ``torch.distributed.ProcessGroup`` (torch's tests build FSDP1's wrapper structure
+    with one), so it cannot communicate."""
+    if process_group is None or isinstance(process_group, (dist.ProcessGroup, tuple)):
+        return False
+    return callable(getattr(process_group, "rank", None)) and callable(
+        getattr(process_group, "size", None)
+    )
+
+
+def check_device(device: torch.device | None, compute: torch.device) -> None:
+    """Refuse a ``device_id`` that is not the device the unit computes on (this rank's
+    current device of its type), with FSDP1's message and the fix."""
+    if device is None or device.type != compute.type or device == compute:
+        return
+    raise ValueError(
+        f"Inconsistent compute device and `device_id` on rank {_rank()}: {compute} vs "
+        f"{device}: fullshard computes on the current device; call "
+        f"torch.{device.type}.set_device({device.index}) before wrapping, or pass "
+        f"device_id={str(compute)!r}"
+    )
+
+
+def resolve_device_type(device: torch.device | None, module: torch.nn.Module) -> str:
+    """The mesh's device type: ``device``'s (``device_id``'s), else that of the module's
+    parameters when they are on an accelerator, else the default group's (``cuda`` where it
+    runs NCCL)."""
     if device is not None:
         return device.type
     for p in module.parameters():
@@ -258,33 +352,81 @@ def resolve_ignored(
 ) -> tuple[set[torch.nn.Module], set[torch.nn.Parameter]]:
     """FSDP1's ``ignored_modules`` / ``ignored_states``: the modules left out (with their
     submodules) and the parameters left unsharded (theirs and those named), with FSDP1's
-    checks."""
+    checks and messages; nested wrappers' ignored modules and parameters are ignored too (as
+    FSDP1), so a module ignored by a child is never sharded by its parent."""
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "Cannot pass both ignored_modules and ignored_states at the same time. Please just "
             "pass ignored_states."
         )
-    modules: list[Any] = list(ignored_modules or ())
-    params: list[Any] = []
-    states = list(ignored_states or ())
-    if states:
-        if all(isinstance(s, torch.nn.Parameter) for s in states):
-            params = states
-        elif all(isinstance(s, torch.nn.Module) for s in states):
-            modules = states
-        else:
-            raise ValueError(
-                f"ignored_states expects all nn.Parameter or all nn.Module list elements but "
-                f"got types {[type(s) for s in states]}"
-            )
+    modules, params = _split_ignored(ignored_modules, ignored_states)
     for m in modules:
-        if not isinstance(m, torch.nn.Module):
-            raise TypeError(
-                f"`ignored_modules` should be an iterable of `torch.nn.Module`s but got an "
-                f"iterable with {type(m)}"
-            )
         if is_unit(m):
             raise ValueError("`ignored_modules` should not include FSDP modules")
     out = {sub for m in modules for sub in m.modules() if not is_unit(sub)}
+    if root in out:
+        warnings.warn(
+            f"Trying to ignore the top-level module passed into the FSDP constructor itself "
+            f"will result in all parameters being ignored and is not well-supported: "
+            f"{type(root).__name__}",
+            stacklevel=3,
+        )
     ignored = {p for m in out for p in m.parameters()} | set(params)
+    for sub in root.modules():  # what nested wrappers ignore (FSDP1 inherits it)
+        out |= sub.__dict__.get("_ignored_modules", set())
+        ignored |= sub.__dict__.get("_ignored_params", set())
     return out, ignored
+
+
+def check_same_params(
+    module: torch.nn.Module, params: list[tuple[str, torch.Size]], group: dist.ProcessGroup
+) -> None:
+    """Refuse, on every rank, a unit whose parameters (their shapes, in order; names may
+    differ, as FSDP1's flat parameter does not see them) differ across the ranks of its group
+    (``ignored_modules`` / ``ignored_states`` that differ across ranks), whose collectives
+    would not match (an abort or a hang): one small gather at construction."""
+    if dist.get_world_size(group) == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, params, group=group)
+    shapes = [[tuple(shape) for _, shape in theirs] for theirs in everyone]
+    for rank, theirs in enumerate(shapes):
+        if theirs != shapes[0]:
+            raise ValueError(
+                f"the FullyShardedDataParallel of {type(module).__name__} shards different "
+                f"parameters on its group's ranks 0 ({len(shapes[0])}: {shapes[0]}) and {rank} "
+                f"({len(theirs)}: {theirs}): ignored_modules / ignored_states differ across "
+                f"ranks; pass the same ignored modules and parameters on every rank"
+            )
+
+
+def _split_ignored(
+    ignored_modules: Iterable[Any] | None, ignored_states: Iterable[Any] | None
+) -> tuple[list[torch.nn.Module], list[torch.nn.Parameter]]:
+    """The modules and parameters named, checked as FSDP1 checks them."""
+    try:
+        modules: list[Any] = list(ignored_modules or ())
+    except TypeError as e:
+        raise TypeError(
+            f"`ignored_modules` should be an iterable of `torch.nn.Module`s but got "
+            f"{type(ignored_modules)}"
+        ) from e
+    if not all(isinstance(m, torch.nn.Module) for m in modules):
+        raise ValueError(
+            f"ignored_modules expects nn.Module list elements but got types {_types(modules)}: "
+            f"pass modules (parameters go in ignored_states)"
+        )
+    states = list(ignored_states or ())
+    if all(isinstance(s, torch.nn.Parameter) for s in states):
+        return modules, states
+    if all(isinstance(s, torch.nn.Module) for s in states):
+        return states, []
+    raise ValueError(
+        f"ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+        f"types {_types(states)}"
+    )
+
+
+def _types(items: list[Any]) -> list[type]:
+    """The elements' types, each once, in FSDP1's order (sorted by ``repr``)."""
+    return sorted({type(x) for x in items}, key=repr)

@@ -9,6 +9,9 @@ pre-hook, installed with the first record, swaps the replaced parameters in any 
 still holds them, moving their state along, before its step (:func:`swap_replaced`; the FSDP1
 optimizer-state methods call it too). A replaced parameter's memory is released at once (its
 data becomes an empty tensor), as FSDP1 frees the unsharded originals.
+
+An optimizer in backward (torch's ``_apply_optimizer_in_backward``) is refused at the root's
+first forward (:func:`refuse_in_backward_optimizers`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .state_dict import clean_fqn
 
-__all__ = ["named_originals", "record_replaced", "swap_replaced"]
+__all__ = [
+    "named_originals",
+    "record_replaced",
+    "refuse_in_backward_optimizers",
+    "swap_replaced",
+]
 
 _REPLACED = WeakIdKeyDictionary()  # a replaced parameter -> the one that replaced it
 _HOOK: list[RemovableHandle] = []  # the global step pre-hook, once installed
@@ -65,3 +73,23 @@ def swap_replaced(optim: torch.optim.Optimizer) -> None:
 
 def _before_step(optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
     swap_replaced(optim)
+
+
+def refuse_in_backward_optimizers(wrappers: list[Any]) -> None:
+    """Refuse parameters given an optimizer in backward (torch's
+    ``_apply_optimizer_in_backward``): FSDP1's refusal without ``use_orig_params``, and
+    fullshard's with it, since nothing would step them (the engine sets the sharded gradients
+    after the reduce-scatter, not through autograd's accumulation)."""
+    for w in wrappers:
+        for name, p in w.named_parameters():
+            if not hasattr(p, "_in_backward_optimizers"):
+                continue
+            if not w._use_orig_params:
+                raise RuntimeError(
+                    "FSDP optimizer in backward only supported with use_orig_params=True!"
+                )
+            raise NotImplementedError(
+                f"an optimizer in backward (_apply_optimizer_in_backward) on {name} is not "
+                f"supported by fullshard's FullyShardedDataParallel: nothing would step it. "
+                f"Build the optimizer on model.parameters() and call step() after backward"
+            )

@@ -58,7 +58,7 @@ from .flat_param import FlatParamSummary, mark_flattened
 from .materialize import local_modules, materialize, move_to_device
 from .materialize import sync_module_states as sync_states
 from .optim_api import OptimStateDictMethods
-from .orig_params import named_originals, record_replaced
+from .orig_params import named_originals, record_replaced, refuse_in_backward_optimizers
 from .summon import check_summon_args, summon
 from .wrap import auto_wrap
 
@@ -94,7 +94,7 @@ _ROOT_KWARGS = frozenset(
 
 def _is_unit(module: nn.Module) -> bool:
     """A module that already is a fullshard unit (a wrapper, or ``fully_shard``'s)."""
-    return STATE_ATTR in module.__dict__
+    return STATE_ATTR in module.__dict__ or isinstance(module, FullyShardedDataParallel)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -130,18 +130,21 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         originals = named_originals(module)  # what an optimizer built before may hold
         self._summoning = False  # inside summon_full_params
         self._buffers_cast = False  # buffer_dtype applied (the root's first forward)
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            warnings.warn(
-                f"FSDP will not all-gather parameters for containers that do not implement "
-                f"forward: {module}",
-                stacklevel=2,
-            )
+        config.warn_container(module)
         strategy = config.resolve_strategy(sharding_strategy)
         ignored_mods, ignored_params = config.resolve_ignored(
             module, ignored_modules, ignored_states, _is_unit
         )
+        device = config.device_of(device_id)
+        kwargs = {k: v for k, v in locals().items() if k in _ROOT_KWARGS}
+        kwargs.update(auto_wrap_policy=None, ignored_states=ignored_params)
+        if config.is_stand_in(process_group):
+            self._init_stand_in(
+                module, auto_wrap_policy, kwargs, device, ignored_mods, ignored_params
+            )
+            return
         with config.mesh_cache():
-            device_type = config.resolve_device_type(device_id, module)
+            device_type = config.resolve_device_type(device, module)
             mesh = config.resolve_mesh(
                 strategy, process_group, device_mesh, device_type, auto_wrap_policy is not None
             )
@@ -149,23 +152,20 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
                 # FSDP1 hands the root's arguments down (its intra/inter-node groups for a
                 # hybrid default; here, the mesh made of them)
                 hybrid_default = strategy in config.HYBRID and process_group is device_mesh is None
-                kwargs = {k: v for k, v in locals().items() if k in _ROOT_KWARGS}
-                kwargs.update(auto_wrap_policy=None, ignored_states=ignored_params)
-                kwargs.update(device_mesh=mesh if hybrid_default else device_mesh)
                 auto_wrap(
                     module,
                     auto_wrap_policy,
                     ignored_mods,
                     ignored_params,
-                    kwargs,
+                    {**kwargs, "device_mesh": mesh if hybrid_default else device_mesh},
                     FullyShardedDataParallel,
                     _is_unit,
                 )
         info = mesh_info(mesh)
+        config.check_device(device, info.device)
         own = local_modules(module, ignored_mods)
-        device = config.device_of(device_id) or info.device
-        materialize(own, param_init_fn, device)
-        if device_id is not None:
+        materialize(own, param_init_fn, device or info.device)
+        if device is not None:
             move_to_device(own, device)
         if sync_module_states:
             sync_states(own, mesh)
@@ -180,21 +180,67 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             offload_policy=config.offload_policy_of(cpu_offload),
             ignored_params=ignored_params,
         )
+        group, size = config.fsdp1_group(info, strategy)
+        own_params = [(sp.fqn, sp.orig_shape) for sp in self._unit.group.params]
+        config.check_same_params(module, own_params, group)
         record_replaced(originals, self)
         self._mark_flattened()
-        self._set_fsdp1_attributes(info, strategy, locals())
+        self._finish_init(group, size, info.device, kwargs, ignored_mods, ignored_params)
+
+    def _init_stand_in(
+        self,
+        module: nn.Module,
+        policy: Any,
+        kwargs: dict[str, Any],
+        device: torch.device | None,
+        ignored_mods: set[nn.Module],
+        ignored_params: set[nn.Parameter],
+    ) -> None:
+        """A wrapper over a stand-in process group (``config.is_stand_in``): the wrapping
+        only, as FSDP1 makes it (its auto-wrap decisions, ``rank``/``world_size`` the group's);
+        nothing is sharded, and what would communicate refuses (:attr:`_unit`)."""
+        if policy is not None:
+            auto_wrap(
+                module,
+                policy,
+                ignored_mods,
+                ignored_params,
+                kwargs,
+                FullyShardedDataParallel,
+                _is_unit,
+            )
+        self._fsdp_wrapped_module = module
+        self._buffer_dtypes = {S.clean_fqn(n): b.dtype for n, b in module.named_buffers()}
+        group = kwargs["process_group"]
+        self._finish_init(group, group.size(), device, kwargs, ignored_mods, ignored_params)
+
+    def _finish_init(
+        self,
+        group: Any,
+        world_size: int,
+        device: Any,
+        kwargs: dict[str, Any],
+        ignored_mods: set[nn.Module],
+        ignored_params: set[nn.Parameter],
+    ) -> None:
+        self._set_fsdp1_attributes(group, world_size, device, kwargs)
         self._ignored_modules = ignored_mods
         self._ignored_params = ignored_params
         S.install_state_dict_hooks(self)
 
     def _set_fsdp1_attributes(
-        self, info: Any, strategy: ShardingStrategy, args: dict[str, Any]
+        self, group: Any, world_size: int, device: Any, args: dict[str, Any]
     ) -> None:
-        """FSDP1's attributes, which frameworks read (``args``: the constructor's)."""
-        self.process_group = info.shard_group
-        self.rank = dist.get_rank(info.shard_group)
-        self.world_size = info.shard_size
-        self.sharding_strategy = strategy
+        """FSDP1's attributes, which frameworks read (``args``: the constructor's, as handed
+        to auto-wrapped children). At world size 1 FSDP1 runs ``NO_SHARD`` whatever the
+        strategy, and says so; fullshard's unit over one rank is the same."""
+        strategy = config.resolve_strategy(args["sharding_strategy"])
+        config.warn_strategy(strategy, world_size)
+        self.process_group = group
+        self.rank = group.rank() if config.is_stand_in(group) else dist.get_rank(group)
+        self.world_size = world_size
+        self.sharding_strategy = ShardingStrategy.NO_SHARD if world_size == 1 else strategy
+        self._strategy = strategy  # the one the unit runs (its mesh, its resharding)
         self.mixed_precision = args["mixed_precision"] or MixedPrecision()
         self.cpu_offload = args["cpu_offload"] or CPUOffload()
         self.backward_prefetch = args["backward_prefetch"]
@@ -202,7 +248,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         self.limit_all_gathers = args["limit_all_gathers"]
         self._use_orig_params = args["use_orig_params"]
         self._device_mesh = args["device_mesh"]
-        self.compute_device = info.device
+        self.compute_device = device
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = S.FullStateDictConfig()
         self._optim_state_dict_config: OptimStateDictConfig = S.FullOptimStateDictConfig()
@@ -212,7 +258,16 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
     # ------------------------------------------------------------------- identity
     @property
     def _unit(self) -> FSDPState:
-        return cast(FSDPState, self.__dict__[STATE_ATTR])
+        unit = self.__dict__.get(STATE_ATTR)
+        if unit is None:
+            group = self.__dict__.get("process_group")
+            raise RuntimeError(
+                f"this FullyShardedDataParallel was built over process_group="
+                f"{type(group).__name__}, a stand-in that cannot communicate (not a "
+                f"torch.distributed.ProcessGroup): it holds the wrapping only. Pass a "
+                f"torch.distributed.ProcessGroup (or none, for the default group) to run it"
+            )
+        return cast(FSDPState, unit)
 
     @property
     def module(self) -> nn.Module:  # type: ignore[override]
@@ -295,7 +350,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; the unit's hooks gather and free around it."""
         unit = self._unit
-        if unit.is_root and not self._buffers_cast:
+        if unit.is_root and not self._buffers_cast:  # the root's first forward
+            refuse_in_backward_optimizers(FullyShardedDataParallel.fsdp_modules(self))
             self._cast_buffers()
         mp = self.mixed_precision
         cast_inputs = mp.cast_forward_inputs or (unit.is_root and mp.cast_root_forward_inputs)
@@ -329,6 +385,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:  # type: ignore[override]
         ret = nn.Module._apply(self, fn, recurse)
+        if STATE_ATTR not in self.__dict__:  # a stand-in group's wrapper: nothing sharded
+            return ret
         adopt_applied_params(self._unit)
         self._mark_flattened()  # the unit may have adopted new parameter objects
         return ret
@@ -338,9 +396,12 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         read as "managed by FSDP" (``fullshard.fsdp1.flat_param``)."""
         mark_flattened(sp.sharded_param for sp in self._unit.group.params)
 
-    def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:  # type: ignore[override]
-        states = [state] if isinstance(state, TrainingState) else state
-        if self.training_state not in states:
+    def _assert_state(self, state: Any) -> None:
+        """Raise unless in ``state`` (one state or a list): ``fullshard.fsdp1.TrainingState``
+        or torch's FSDP1 enum (its private ``TrainingState``, which torch's test helpers pass),
+        matched by name."""
+        states = [state] if isinstance(state, Enum) else list(state)
+        if self.training_state.name not in {s.name for s in states}:
             raise ValueError(
                 f"expected to be in states {states} but current state is {self.training_state}"
             )
@@ -434,12 +495,11 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             raise AssertionError("register_comm_hook can only be called on a root instance.")
         wrappers = FullyShardedDataParallel.fsdp_modules(self)
         for w in wrappers:
-            if w.sharding_strategy in config.HYBRID:
+            if w._strategy in config.HYBRID:
                 raise AssertionError(
-                    f"Communication hook is not supported for hybrid strategies: "
-                    f"{w.sharding_strategy}"
+                    f"Communication hook is not supported for hybrid strategies: {w._strategy}"
                 )
-            if w.sharding_strategy is ShardingStrategy.NO_SHARD:
+            if w._strategy is ShardingStrategy.NO_SHARD:
                 raise NotImplementedError(
                     "register_comm_hook with NO_SHARD (an all-reduce hook) is not supported by "
                     "fullshard: NO_SHARD reduces across replicas itself"
@@ -475,7 +535,9 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             wrappers = FullyShardedDataParallel.fsdp_modules(module)
         else:
             wrappers = [module] if isinstance(module, FullyShardedDataParallel) else []
-        no_shard = any(w.world_size == 1 and w._has_params for w in wrappers)
+        no_shard = any(
+            w.sharding_strategy is ShardingStrategy.NO_SHARD and w._has_params for w in wrappers
+        )
         check_summon_args(writeback, rank0_only, offload_to_cpu, with_grads, no_shard)
         for w in wrappers:  # FSDP1's checks and messages
             if w.training_state is TrainingState.FORWARD_BACKWARD:
