@@ -257,8 +257,8 @@ def resolve_ignored(
     is_unit: Callable[[torch.nn.Module], bool],
 ) -> tuple[set[torch.nn.Module], set[torch.nn.Parameter]]:
     """FSDP1's ``ignored_modules`` / ``ignored_states``: the modules left out (with their
-    submodules) and the parameters left unsharded (theirs and those named), with FSDP1's
-    checks."""
+    submodules) and the parameters left unsharded (theirs and those named), with those the
+    wrappers already inside ``root`` ignore, and FSDP1's checks."""
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "Cannot pass both ignored_modules and ignored_states at the same time. Please just "
@@ -287,4 +287,7 @@ def resolve_ignored(
             raise ValueError("`ignored_modules` should not include FSDP modules")
     out = {sub for m in modules for sub in m.modules() if not is_unit(sub)}
     ignored = {p for m in out for p in m.parameters()} | set(params)
+    for sub in root.modules():  # what wrappers inside ignore stays ignored (as FSDP1)
+        out |= sub.__dict__.get("_ignored_modules", set())
+        ignored |= sub.__dict__.get("_ignored_params", set())
     return out, ignored

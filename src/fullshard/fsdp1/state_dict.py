@@ -179,6 +179,14 @@ def install_state_dict_hooks(wrapper: nn.Module) -> None:
     """Register the save and load hooks of one wrapper (see the module docstring)."""
     wrapper.register_state_dict_post_hook(_after_state_dict)
     wrapper.register_load_state_dict_pre_hook(_before_load)
+    wrapper.register_load_state_dict_post_hook(_clean_incompatible)
+
+
+def _clean_incompatible(_module: nn.Module, incompatible: Any) -> None:
+    """Missing and unexpected keys by FSDP1's clean names (``load_state_dict``'s result and
+    its ``strict`` error), as FSDP1 reports them."""
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [clean_fqn(k) for k in keys]
 
 
 def _rename(state_dict: dict[str, Any], rename: Callable[[str], str]) -> None:
@@ -273,7 +281,10 @@ def _before_load(
     )
     local = cast(Any, module)._state_dict_type is StateDictType.LOCAL_STATE_DICT
     wrapped: nn.Module = cast(Any, module)._fsdp_wrapped_module
-    for name, p in wrapped.named_parameters(prefix=inner[:-1], remove_duplicate=False):
+    # nn.Module's names: a checkpoint wrapper's own named_parameters would strip its prefix
+    # from ``inner`` too; below this wrapper, checkpoint wrappers add theirs after this hook
+    for rel, p in nn.Module.named_parameters(wrapped, remove_duplicate=False):
+        name = inner + rel.replace(_CHECKPOINT_PREFIX, "")
         value = _tensor_of(state_dict.get(name))
         if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor)):
             continue
