@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import is_tensor_like
 
 from ..checkpoint.shards import local_box, slices, wrap_like
+from .local_state import load_flat_param, save_flat_param
 
 __all__ = [
     "FSDP_PREFIX",
@@ -210,8 +211,7 @@ def _after_state_dict(
             value = state_dict[k].detach()
             state_dict[k] = value.cpu() if config.offload_to_cpu else value
     elif kind is StateDictType.LOCAL_STATE_DICT:
-        for k in keys:
-            state_dict[k] = state_dict[k].detach().to_local()
+        save_flat_param(module, state_dict, prefix, config.offload_to_cpu)
     else:
         done: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
         for k in keys:
@@ -280,6 +280,7 @@ def _before_load(
         ),
     )
     local = cast(Any, module)._state_dict_type is StateDictType.LOCAL_STATE_DICT
+    full = load_flat_param(module, state_dict, inner) if local else set()
     wrapped: nn.Module = cast(Any, module)._fsdp_wrapped_module
     # nn.Module's names: a checkpoint wrapper's own named_parameters would strip its prefix
     # from ``inner`` too; below this wrapper, checkpoint wrappers add theirs after this hook
@@ -292,6 +293,7 @@ def _before_load(
         if is_sharded_tensor(value):  # FSDP1's SHARDED_STATE_DICT
             state_dict[name] = shard_like(p, full_of_sharded_tensor(value))
         elif not isinstance(value, DTensor):
-            state_dict[name] = wrap_like(p, value) if local else shard_like(p, value)
+            local_shard = local and name not in full
+            state_dict[name] = wrap_like(p, value) if local_shard else shard_like(p, value)
         elif value.device_mesh != p.device_mesh or value.placements != p.placements:
             state_dict[name] = shard_like(p, value.full_tensor())  # another layout: reshard
