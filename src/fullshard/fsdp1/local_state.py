@@ -17,8 +17,9 @@ FSDP1 (``use_orig_params=False``; torch's FSDP1 loads none with ``True``) loads 
 on the same shard groups and the other way round. It is a copy: FSDP1's is a view of the flat
 parameter. With ``use_orig_params=True`` FSDP1 also keeps each parameter's name, holding this
 rank's 1-D piece of it in that layout; so does fullshard (loading reads ``_flat_param``
-only). FSDP1 needs one dtype per flat parameter and sharded parameters; a wrapper with several
-dtypes, or under ``NO_SHARD``, is refused in one line.
+only). FSDP1 needs one dtype per flat parameter: a wrapper with several dtypes is refused in
+one line. (Under ``NO_SHARD`` FSDP1's ``LOCAL_STATE_DICT`` is a full one, and so is
+fullshard's: ``fullshard.fsdp1.state_dict``.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 
 __all__ = ["FLAT_PARAM", "load_flat_param", "save_flat_param"]
@@ -89,11 +89,6 @@ def _layout(wrapper: Any, prefix: str) -> _Layout | None:
     if not params:
         return None
     where = f"the FSDP module at {prefix[:-1]!r}" if prefix else "the root FSDP module"
-    if wrapper.sharding_strategy is ShardingStrategy.NO_SHARD:
-        raise RuntimeError(
-            f"LOCAL_STATE_DICT needs sharded parameters, and {where} runs NO_SHARD: use "
-            f"FULL_STATE_DICT or SHARDED_STATE_DICT"
-        )
     dtypes = sorted({str(p.dtype) for p in params})
     if len(dtypes) > 1:
         raise ValueError(

@@ -33,6 +33,7 @@ and top-down on load, as FSDP1's do.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
+    ShardingStrategy,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -190,6 +192,22 @@ def _clean_incompatible(_module: nn.Module, incompatible: Any) -> None:
         keys[:] = [clean_fqn(k) for k in keys]
 
 
+def _type_of(module: nn.Module) -> tuple[StateDictType, Any]:
+    """The wrapper's state-dict type and config, but ``FULL_STATE_DICT`` (default config) for
+    ``LOCAL_STATE_DICT`` under ``NO_SHARD``: FSDP1's flat parameter is not sharded there, so it
+    gives and takes full state dicts, with its warning."""
+    wrapper = cast(Any, module)
+    kind, config = wrapper._state_dict_type, wrapper._state_dict_config
+    no_shard = wrapper.sharding_strategy is ShardingStrategy.NO_SHARD
+    if kind is StateDictType.LOCAL_STATE_DICT and no_shard:
+        warnings.warn(
+            "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
+            stacklevel=3,
+        )
+        return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
+    return kind, config
+
+
 def _rename(state_dict: dict[str, Any], rename: Callable[[str], str]) -> None:
     """Rename keys in place, keeping their order."""
     items = list(state_dict.items())
@@ -203,8 +221,7 @@ def _after_state_dict(
 ) -> None:
     inner = prefix + FSDP_PREFIX
     _rename(state_dict, lambda k: prefix + k[len(inner) :] if k.startswith(inner) else k)
-    kind = cast(Any, module)._state_dict_type
-    config = cast(Any, module)._state_dict_config
+    kind, config = _type_of(module)
     keys = [k for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, DTensor)]
     if kind is StateDictType.SHARDED_STATE_DICT:
         for k in keys:
@@ -279,7 +296,7 @@ def _before_load(
             inner + k[len(prefix) :] if k.startswith(prefix) and not k.startswith(inner) else k
         ),
     )
-    local = cast(Any, module)._state_dict_type is StateDictType.LOCAL_STATE_DICT
+    local = _type_of(module)[0] is StateDictType.LOCAL_STATE_DICT
     full = load_flat_param(module, state_dict, inner) if local else set()
     wrapped: nn.Module = cast(Any, module)._fsdp_wrapped_module
     # nn.Module's names: a checkpoint wrapper's own named_parameters would strip its prefix
