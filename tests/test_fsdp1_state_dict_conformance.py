@@ -11,8 +11,10 @@ compared bit for bit, storage sharing by ``data_ptr()`` as torch's tests do.
 from __future__ import annotations
 
 import io
+import traceback
 from collections.abc import Callable
 from functools import partial
+from itertools import product
 from typing import Any
 
 import pytest
@@ -30,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, StateDictTy
 from fsdp1_cases import BF16, CPU, ENGINES, full_state, local_shard, make_net, train, wrap
 from fullshard.testing import run_distributed
 
-FULL, SHARDED, LOCAL = (
+TYPES = FULL, SHARDED, LOCAL = (
     StateDictType.FULL_STATE_DICT,
     StateDictType.SHARDED_STATE_DICT,
     StateDictType.LOCAL_STATE_DICT,
@@ -252,25 +254,27 @@ def _incompatible_case(engine: str, ac: bool, kind: Any) -> Any:
 
 
 # -------------------------------------------------------------------------------- spawn
-def _cases() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for engine in ENGINES:
-        for build in (_ac_simple, _ac_nested):
-            for mode in AC_MODES:
-                for kind in (FULL, SHARDED):
-                    label = f"{build.__name__}/{mode}/{kind.name}"
-                    out[f"ac/{engine}/{label}"] = _ac_case(engine, build, mode, kind)
-        for ignore_inner in (False, True):
-            for mp in (False, True):
-                for states in (False, True):
-                    for kind in (FULL, SHARDED, LOCAL):
-                        label = f"inner={ignore_inner}/mp={mp}/states={states}/{kind.name}"
-                        out[f"ignored/{engine}/{label}"] = _ignored_case(
-                            engine, ignore_inner, mp, states, kind
-                        )
-        for ac in (False, True):
-            for kind in (FULL, SHARDED):
-                out[f"keys/{engine}/ac={ac}/{kind.name}"] = _incompatible_case(engine, ac, kind)
+def _ac_cases(out: dict[str, Any]) -> None:
+    for engine, build, mode, kind in product(
+        ENGINES, (_ac_simple, _ac_nested), AC_MODES, TYPES[:2]
+    ):
+        label = f"{build.__name__}/{mode}/{kind.name}"
+        out[f"ac/{engine}/{label}"] = _ac_case(engine, build, mode, kind)
+
+
+def _ignored_cases(out: dict[str, Any]) -> None:
+    flags = (False, True)
+    for engine, ignore_inner, mp, states, kind in product(ENGINES, flags, flags, flags, TYPES):
+        label = f"inner={ignore_inner}/mp={mp}/states={states}/{kind.name}"
+        out[f"ignored/{engine}/{label}"] = _ignored_case(engine, ignore_inner, mp, states, kind)
+
+
+def _keys_cases(out: dict[str, Any]) -> None:
+    for engine, ac, kind in product(ENGINES, (False, True), TYPES[:2]):
+        out[f"keys/{engine}/ac={ac}/{kind.name}"] = _incompatible_case(engine, ac, kind)
+
+
+def _local_cases(out: dict[str, Any]) -> None:
     for uop in (False, True):
         for mp_name, mp in (("fp32", None), ("bf16", BF16)):
             saved, label = {}, f"uop={uop}/{mp_name}"
@@ -280,8 +284,25 @@ def _cases() -> dict[str, Any]:
                 )
             out[f"local_loads/{label}"] = _local_loads(uop, mp, saved)
     out["local_edge_cases"] = _local_edge_cases()
-    dist.barrier()
+
+
+def _cases() -> dict[str, Any]:
+    """Every case; a section that raises is recorded (``error/<section>``, the traceback) and
+    the others still run, so each test fails on its own."""
+    out: dict[str, Any] = {}
+    sections = {"ac": _ac_cases, "ignored": _ignored_cases, "keys": _keys_cases}
+    sections["local"] = _local_cases
+    for name, section in sections.items():
+        try:
+            section(out)
+        except Exception:  # reported by the section's test
+            out[f"error/{name}"] = traceback.format_exc()
+        dist.barrier()
     return out
+
+
+def _no_error(out: dict[str, Any], section: str) -> None:
+    assert f"error/{section}" not in out, out[f"error/{section}"]
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +328,7 @@ def test_activation_checkpointed_models_save_and_load_as_fsdp1(results: list[Any
     destination or both: FSDP1's keys (the wrappers' prefixes stripped) and values, and the
     state dict loads (strict) into a model from another seed, as saved and gathered."""
     for rank, out in enumerate(results):
+        _no_error(out, "ac")
         for label in (k for k in out if k.startswith("ac/fullshard/")):
             ours, theirs = out[label], out[label.replace("/fullshard/", "/torch/")]
             assert ours["keys"] == theirs["keys"], (rank, label)
@@ -340,6 +362,7 @@ def test_ignored_modules_and_states_are_the_modules_own_tensors(results: list[An
     parameters and the buffers the module's own tensors (same storage) exactly where torch's
     are, nested wrappers' ignored modules ignored by the outer one, and the dict loads back."""
     for rank, out in enumerate(results):
+        _no_error(out, "ignored")
         for label in (k for k in out if k.startswith("ignored/fullshard/")):
             ours, theirs = out[label], out[label.replace("/fullshard/", "/torch/")]
             assert list(ours["entries"]) == list(theirs["entries"]), (rank, label)
@@ -364,7 +387,10 @@ def test_local_state_dict_is_fsdp1s_flat_param_and_round_trips(results: list[Any
     1-D pieces), for fp32 and bf16 after a step; each engine's loads into the other (torch's
     FSDP1 loads none with use_orig_params=True) and into itself, through torch.save too."""
     for rank, out in enumerate(results):
-        for label in (k[len("local/fullshard/") :] for k in out if k.startswith("local/fullshard/")):
+        _no_error(out, "local")
+        for label in (
+            k[len("local/fullshard/") :] for k in out if k.startswith("local/fullshard/")
+        ):
             ours, theirs = out[f"local/fullshard/{label}"], out[f"local/torch/{label}"]
             assert list(ours) == list(theirs), (rank, label, list(ours), list(theirs))
             assert ours["_flat_param"][0] == "ShardedTensor"
@@ -392,6 +418,7 @@ def test_load_reports_missing_and_unexpected_keys_as_fsdp1(results: list[Any]) -
     (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``): the ``strict=False`` result
     and the ``strict=True`` message are torch's FSDP1's, character for character."""
     for out in results:
+        _no_error(out, "keys")
         for label in (k for k in out if k.startswith("keys/fullshard/")):
             ours, theirs = out[label], out[label.replace("/fullshard/", "/torch/")]
             assert ours == theirs, (label, ours, theirs)

@@ -101,11 +101,11 @@ def _layout(wrapper: Any, prefix: str) -> _Layout | None:
         compute = wrapper.mixed_precision.param_dtype or params[0].dtype
         align = _ALIGNMENT_BYTES // torch.empty((), dtype=compute).element_size()
     offsets, total = [], 0
-    for p in params:
+    for param in params:
         if align and total % align:
             total += align - total % align
         offsets.append(total)
-        total += p.numel()
+        total += param.numel()
     world = wrapper.world_size
     if align and total % world:
         total += world - total % world
@@ -128,7 +128,7 @@ def save_flat_param(
         return
     flat = torch.full((layout.total,), _PADDING_VALUE, dtype=layout.params[0].dtype)
     for p, offset in zip(layout.params, layout.offsets):
-        full = p.detach().full_tensor().reshape(-1)
+        full = cast(DTensor, p.detach()).full_tensor().reshape(-1)
         flat[offset : offset + full.numel()] = full.cpu()
     device = torch.device("cpu") if offload_to_cpu else layout.params[0].device
     start, end = layout.rank * layout.chunk, layout.rank * layout.chunk + layout.valid

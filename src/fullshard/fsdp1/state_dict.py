@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
-    ShardingStrategy,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -49,6 +48,7 @@ from torch.distributed.fsdp import (
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
