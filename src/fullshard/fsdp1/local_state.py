@@ -9,9 +9,10 @@ With ``use_orig_params=True`` FSDP1 also pads before each parameter so that it s
 16-byte boundary (in the dtype it computes in), and pads the end to a multiple of the group's
 size before cutting, with the value 42; that padding is part of the entry's size.
 
-fullshard shards each parameter by rows, so a rank holds none of that flat layout: saving
-gathers the wrapper's parameters (one wrapper's full parameters at a time) and keeps this
-rank's flat piece; loading gathers the pieces and cuts the parameters' rows out of them. The
+fullshard shards each parameter by rows, which are not a rank's flat piece: saving gathers
+the wrapper's parameters (one wrapper's full parameters at a time, as ``FULL_STATE_DICT``
+does; FSDP1's costs no communication) and keeps this rank's flat piece; loading gathers the
+pieces and cuts each parameter's rows out of them. The
 entry has FSDP1's key, size, offsets and values, so a ``LOCAL_STATE_DICT`` saved by torch's
 FSDP1 (``use_orig_params=False``; torch's FSDP1 loads none with ``True``) loads into fullshard
 on the same shard groups and the other way round. It is a copy: FSDP1's is a view of the flat

@@ -2,9 +2,10 @@
 
 Each wrapper carries FSDP1's three settings (``_state_dict_type``, ``_state_dict_config``,
 ``_optim_state_dict_config``), set together on every wrapper under a module by
-:func:`set_state_dict_type` (``FSDP.state_dict_type(...)``), and two hooks that make
+:func:`set_state_dict_type` (``FSDP.state_dict_type(...)``), and three hooks that make
 ``state_dict()`` / ``load_state_dict()`` speak FSDP1's format, with the original parameter
-names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1):
+names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1; torch's checkpoint wrapper strips
+its own ``_checkpoint_wrapped_module.`` on save and adds it back on load):
 
 - after ``state_dict()``: keys under the wrapper lose its ``_fsdp_wrapped_module.`` part, and
   the wrapper's sharded parameters (``DTensor``) become, per type,
@@ -15,17 +16,25 @@ names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1):
     under ``buffer_dtype`` (as FSDP1);
   * ``SHARDED_STATE_DICT``: the ``DTensor`` shards themselves (FSDP1 gives ``ShardedTensor``
     unless ``_use_dtensor``; the pieces are the same ``torch.chunk`` rows of dim 0);
-  * ``LOCAL_STATE_DICT``: each parameter's local shard as a plain tensor (FSDP1 gives its
-    flat parameter's shard, ``_flat_param``; fullshard has none).
+  * ``LOCAL_STATE_DICT``: FSDP1's ``_flat_param`` entry, its flat parameter's shard
+    (``fullshard.fsdp1.local_state``: a gather per wrapper); under ``NO_SHARD`` a full state
+    dict, with FSDP1's warning.
 
-- before ``load_state_dict()``: the keys get ``_fsdp_wrapped_module.`` back, and a value meant
-  for one of the wrapper's sharded parameters that is not a ``DTensor`` is cut to this rank's
-  rows: a full tensor (any type but ``LOCAL``) or the local shard (``LOCAL``); a ``DTensor``
-  laid out like the parameter is copied as it is, one laid out otherwise (another strategy's
-  or mesh's) or torch's FSDP1's ``ShardedTensor`` is gathered and cut. So a full state dict, a
-  sharded one from any strategy, or torch's FSDP1's ``SHARDED_STATE_DICT`` loads whatever
-  type is set. A tensor-like value that is no ``torch.Tensor`` (Lightning's lazily loaded
-  checkpoint tensors, which ``nn.Module.load_state_dict`` takes) is loaded first.
+  Ignored parameters and buffers are the module's own tensors (no copy), as FSDP1's.
+
+- before ``load_state_dict()``: the keys get ``_fsdp_wrapped_module.`` back, a ``_flat_param``
+  entry (``LOCAL``) becomes the wrapper's full parameters, and a value meant for one of the
+  wrapper's sharded parameters that is not a ``DTensor`` is cut to this rank's rows: a full
+  tensor, or under ``LOCAL`` a parameter's local shard (what ``LOCAL_STATE_DICT`` held before
+  fullshard gave FSDP1's entries); a ``DTensor`` laid out like the parameter is copied as it
+  is, one laid out otherwise (another strategy's or mesh's) or torch's FSDP1's
+  ``ShardedTensor`` is gathered and cut. So a full state dict, a sharded one from any
+  strategy, or torch's FSDP1's ``SHARDED_STATE_DICT`` loads whatever type is set. A
+  tensor-like value that is no ``torch.Tensor`` (Lightning's lazily loaded checkpoint tensors,
+  which ``nn.Module.load_state_dict`` takes) is loaded first.
+
+- after ``load_state_dict()``: the missing and unexpected keys it reports (its result, and
+  the ``strict`` error) lose the wrappers' prefixes, as FSDP1's do.
 
 The hooks run bottom-up on save (each wrapper renames its own prefix after its children did)
 and top-down on load, as FSDP1's do.
