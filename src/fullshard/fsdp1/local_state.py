@@ -79,7 +79,7 @@ def _own_named(wrapper: Any) -> Iterator[tuple[str, nn.Parameter]]:
 
 
 def _layout(wrapper: Any, prefix: str) -> _Layout | None:
-    """The wrapper's flat layout (``None`` without parameters), FSDP1's refusals first."""
+    """The wrapper's flat layout (``None`` without parameters); several dtypes are refused."""
     params: list[DTensor] = []
     names: dict[int, list[str]] = {}
     for name, p in _own_named(wrapper):
@@ -127,18 +127,21 @@ def save_flat_param(
     layout = _layout(wrapper, prefix)
     if layout is None:
         return
-    flat = torch.full((layout.total,), _PADDING_VALUE, dtype=layout.params[0].dtype)
+    lead = layout.params[0]
+    flat = torch.full((layout.total,), _PADDING_VALUE, dtype=lead.dtype, device=lead.device)
     for p, offset in zip(layout.params, layout.offsets):
         full = cast(DTensor, p.detach()).full_tensor().reshape(-1)
-        flat[offset : offset + full.numel()] = full.cpu()
-    device = torch.device("cpu") if offload_to_cpu else layout.params[0].device
+        flat[offset : offset + full.numel()] = full
     start, end = layout.rank * layout.chunk, layout.rank * layout.chunk + layout.valid
-    piece = flat[start:end].to(device, copy=True)
+    piece = flat[start:end].clone()
+    if offload_to_cpu:
+        piece = piece.cpu()
     shards = [Shard.from_tensor_and_offsets(piece, [start], layout.rank)] if layout.valid else []
     entry = init_from_local_shards(shards, layout.total, process_group=layout.group)
     if wrapper._use_orig_params:  # type: ignore[union-attr]
         for p, offset, names in zip(layout.params, layout.offsets, layout.names):
-            lo, hi = max(offset, start), max(min(offset + p.numel(), end), max(offset, start))
+            lo = min(max(offset, start), end)  # the parameter's part of this rank's piece
+            hi = min(max(offset + p.numel(), lo), end)
             for name in names:
                 state_dict[prefix + name] = piece[lo - start : hi - start]
         state_dict[prefix + FLAT_PARAM] = entry
