@@ -27,9 +27,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, StateDictType
+from torch.distributed.fsdp import (
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
 
 from fsdp1_cases import BF16, CPU, ENGINES, full_state, local_shard, make_net, train, wrap
+from fullshard.fsdp1 import FullyShardedDataParallel as OurFSDP
 from fullshard.testing import run_distributed
 
 TYPES = FULL, SHARDED, LOCAL = (
@@ -97,7 +103,8 @@ def _ac_case(engine: str, build: Callable[..., nn.Module], mode: str, kind: Any)
     """torch's ``test_fsdp_state_dict_with_activation_checkpoint``: save from the source,
     load (strict) into a destination built from another seed: gathered (full tensors) under
     the destination's default type, as torch's test does, and, for fullshard, as saved (torch's
-    FSDP1 loads its ``ShardedTensor`` only on GPUs)."""
+    FSDP1 loads its ``ShardedTensor`` only on GPUs) and saved on rank 0 only, offloaded, then
+    broadcast (torch's test's ``rank0_only_and_offload``)."""
     source = build(engine, mode in ("source", "both"), seed=0)
     if mode in ("source_after_wrap", "both_after_wrap"):
         _ac_after_wrap(source)
@@ -106,6 +113,12 @@ def _ac_case(engine: str, build: Callable[..., nn.Module], mode: str, kind: Any)
     forms = {"gathered": (FULL, _gather_state_dict(saved))}
     if engine == "fullshard":
         forms["as_saved"] = (kind, saved)
+        if kind is FULL:  # torch's FSDP1 crashes offloading on a CPU
+            config = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)
+            with OurFSDP.state_dict_type(source, FULL, config):
+                rank0 = [source.state_dict()]
+            dist.broadcast_object_list(rank0, src=0)
+            forms["rank0_offload"] = (FULL, rank0[0])
     for form, (load_kind, sd) in forms.items():
         dest = build(engine, mode in ("dest", "both"), seed=1)
         if mode == "both_after_wrap":
@@ -333,7 +346,8 @@ def test_activation_checkpointed_models_save_and_load_as_fsdp1(results: list[Any
             ours, theirs = out[label], out[label.replace("/fullshard/", "/torch/")]
             assert ours["keys"] == theirs["keys"], (rank, label)
             assert _same_state(ours["source"], theirs["source"]), (rank, label)
-            for form in ("gathered", "as_saved"):
+            forms = ["gathered", "as_saved"] + (["rank0_offload"] if "/FULL" in label else [])
+            for form in forms:
                 assert _same_state(ours[form], ours["source"]), (rank, label, form)
             assert _same_state(theirs["gathered"], theirs["source"]), (rank, label)
 
