@@ -49,6 +49,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -80,7 +81,6 @@ __all__ = [
 ]
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
-_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper
 _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
