@@ -2,9 +2,10 @@
 
 Each wrapper carries FSDP1's three settings (``_state_dict_type``, ``_state_dict_config``,
 ``_optim_state_dict_config``), set together on every wrapper under a module by
-:func:`set_state_dict_type` (``FSDP.state_dict_type(...)``), and two hooks that make
+:func:`set_state_dict_type` (``FSDP.state_dict_type(...)``), and three hooks that make
 ``state_dict()`` / ``load_state_dict()`` speak FSDP1's format, with the original parameter
-names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1):
+names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1; torch's checkpoint wrapper strips
+its own ``_checkpoint_wrapped_module.`` on save and adds it back on load):
 
 - after ``state_dict()``: keys under the wrapper lose its ``_fsdp_wrapped_module.`` part, and
   the wrapper's sharded parameters (``DTensor``) become, per type,
@@ -15,17 +16,25 @@ names (no ``_fsdp_wrapped_module.`` in the keys, as FSDP1):
     under ``buffer_dtype`` (as FSDP1);
   * ``SHARDED_STATE_DICT``: the ``DTensor`` shards themselves (FSDP1 gives ``ShardedTensor``
     unless ``_use_dtensor``; the pieces are the same ``torch.chunk`` rows of dim 0);
-  * ``LOCAL_STATE_DICT``: each parameter's local shard as a plain tensor (FSDP1 gives its
-    flat parameter's shard, ``_flat_param``; fullshard has none).
+  * ``LOCAL_STATE_DICT``: FSDP1's ``_flat_param`` entry, its flat parameter's shard
+    (``fullshard.fsdp1.local_state``: a gather per wrapper); under ``NO_SHARD`` a full state
+    dict, with FSDP1's warning.
 
-- before ``load_state_dict()``: the keys get ``_fsdp_wrapped_module.`` back, and a value meant
-  for one of the wrapper's sharded parameters that is not a ``DTensor`` is cut to this rank's
-  rows: a full tensor (any type but ``LOCAL``) or the local shard (``LOCAL``); a ``DTensor``
-  laid out like the parameter is copied as it is, one laid out otherwise (another strategy's
-  or mesh's) or torch's FSDP1's ``ShardedTensor`` is gathered and cut. So a full state dict, a
-  sharded one from any strategy, or torch's FSDP1's ``SHARDED_STATE_DICT`` loads whatever
-  type is set. A tensor-like value that is no ``torch.Tensor`` (Lightning's lazily loaded
-  checkpoint tensors, which ``nn.Module.load_state_dict`` takes) is loaded first.
+  Ignored parameters and buffers are the module's own tensors (no copy), as FSDP1's.
+
+- before ``load_state_dict()``: the keys get ``_fsdp_wrapped_module.`` back, a ``_flat_param``
+  entry (``LOCAL``) becomes the wrapper's full parameters, and a value meant for one of the
+  wrapper's sharded parameters that is not a ``DTensor`` is cut to this rank's rows: a full
+  tensor, or under ``LOCAL`` a parameter's local shard (what ``LOCAL_STATE_DICT`` held before
+  fullshard gave FSDP1's entries); a ``DTensor`` laid out like the parameter is copied as it
+  is, one laid out otherwise (another strategy's or mesh's) or torch's FSDP1's
+  ``ShardedTensor`` is gathered and cut. So a full state dict, a sharded one from any
+  strategy, or torch's FSDP1's ``SHARDED_STATE_DICT`` loads whatever type is set. A
+  tensor-like value that is no ``torch.Tensor`` (Lightning's lazily loaded checkpoint tensors,
+  which ``nn.Module.load_state_dict`` takes) is loaded first.
+
+- after ``load_state_dict()``: the missing and unexpected keys it reports (its result, and
+  the ``strict`` error) lose the wrappers' prefixes, as FSDP1's do.
 
 The hooks run bottom-up on save (each wrapper renames its own prefix after its children did)
 and top-down on load, as FSDP1's do.
@@ -33,12 +42,14 @@ and top-down on load, as FSDP1's do.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -47,6 +58,7 @@ from torch.distributed.fsdp import (
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
@@ -55,6 +67,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import is_tensor_like
 
 from ..checkpoint.shards import local_box, slices, wrap_like
+from .local_state import load_flat_param, save_flat_param
 
 __all__ = [
     "FSDP_PREFIX",
@@ -68,7 +81,6 @@ __all__ = [
 ]
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
-_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper
 _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
@@ -179,6 +191,30 @@ def install_state_dict_hooks(wrapper: nn.Module) -> None:
     """Register the save and load hooks of one wrapper (see the module docstring)."""
     wrapper.register_state_dict_post_hook(_after_state_dict)
     wrapper.register_load_state_dict_pre_hook(_before_load)
+    wrapper.register_load_state_dict_post_hook(_clean_incompatible)
+
+
+def _clean_incompatible(_module: nn.Module, incompatible: Any) -> None:
+    """Missing and unexpected keys by FSDP1's clean names (``load_state_dict``'s result and
+    its ``strict`` error), as FSDP1 reports them."""
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [clean_fqn(k) for k in keys]
+
+
+def _type_of(module: nn.Module) -> tuple[StateDictType, Any]:
+    """The wrapper's state-dict type and config, but ``FULL_STATE_DICT`` (default config) for
+    ``LOCAL_STATE_DICT`` under ``NO_SHARD``: FSDP1's flat parameter is not sharded there, so it
+    gives and takes full state dicts, with its warning."""
+    wrapper = cast(Any, module)
+    kind, config = wrapper._state_dict_type, wrapper._state_dict_config
+    no_shard = wrapper.sharding_strategy is ShardingStrategy.NO_SHARD
+    if kind is StateDictType.LOCAL_STATE_DICT and no_shard:
+        warnings.warn(
+            "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
+            stacklevel=3,
+        )
+        return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
+    return kind, config
 
 
 def _rename(state_dict: dict[str, Any], rename: Callable[[str], str]) -> None:
@@ -194,16 +230,14 @@ def _after_state_dict(
 ) -> None:
     inner = prefix + FSDP_PREFIX
     _rename(state_dict, lambda k: prefix + k[len(inner) :] if k.startswith(inner) else k)
-    kind = cast(Any, module)._state_dict_type
-    config = cast(Any, module)._state_dict_config
+    kind, config = _type_of(module)
     keys = [k for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, DTensor)]
     if kind is StateDictType.SHARDED_STATE_DICT:
         for k in keys:
             value = state_dict[k].detach()
             state_dict[k] = value.cpu() if config.offload_to_cpu else value
     elif kind is StateDictType.LOCAL_STATE_DICT:
-        for k in keys:
-            state_dict[k] = state_dict[k].detach().to_local()
+        save_flat_param(module, state_dict, prefix, config.offload_to_cpu)
     else:
         done: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
         for k in keys:
@@ -271,9 +305,13 @@ def _before_load(
             inner + k[len(prefix) :] if k.startswith(prefix) and not k.startswith(inner) else k
         ),
     )
-    local = cast(Any, module)._state_dict_type is StateDictType.LOCAL_STATE_DICT
+    local = _type_of(module)[0] is StateDictType.LOCAL_STATE_DICT
+    full = load_flat_param(module, state_dict, inner) if local else set()
     wrapped: nn.Module = cast(Any, module)._fsdp_wrapped_module
-    for name, p in wrapped.named_parameters(prefix=inner[:-1], remove_duplicate=False):
+    # nn.Module's names: a checkpoint wrapper's own named_parameters would strip its prefix
+    # from ``inner`` too; below this wrapper, checkpoint wrappers add theirs after this hook
+    for rel, p in nn.Module.named_parameters(wrapped, remove_duplicate=False):
+        name = inner + rel.replace(_CHECKPOINT_PREFIX, "")
         value = _tensor_of(state_dict.get(name))
         if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor)):
             continue
@@ -281,6 +319,7 @@ def _before_load(
         if is_sharded_tensor(value):  # FSDP1's SHARDED_STATE_DICT
             state_dict[name] = shard_like(p, full_of_sharded_tensor(value))
         elif not isinstance(value, DTensor):
-            state_dict[name] = wrap_like(p, value) if local else shard_like(p, value)
+            local_shard = local and name not in full
+            state_dict[name] = wrap_like(p, value) if local_shard else shard_like(p, value)
         elif value.device_mesh != p.device_mesh or value.placements != p.placements:
             state_dict[name] = shard_like(p, value.full_tensor())  # another layout: reshard
