@@ -73,25 +73,6 @@ class TrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
 
 
-# the constructor's arguments an auto-wrapped child gets from its root (FSDP1's root_kwargs)
-_ROOT_KWARGS = frozenset(
-    (
-        "process_group",
-        "sharding_strategy",
-        "cpu_offload",
-        "backward_prefetch",
-        "mixed_precision",
-        "param_init_fn",
-        "device_id",
-        "sync_module_states",
-        "forward_prefetch",
-        "limit_all_gathers",
-        "use_orig_params",
-        "device_mesh",
-    )
-)
-
-
 def _is_unit(module: nn.Module) -> bool:
     """A module that already is a fullshard unit (a wrapper, or ``fully_shard``'s)."""
     return STATE_ATTR in module.__dict__ or isinstance(module, FullyShardedDataParallel)
@@ -136,7 +117,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             module, ignored_modules, ignored_states, _is_unit
         )
         device = config.device_of(device_id)
-        kwargs = {k: v for k, v in locals().items() if k in _ROOT_KWARGS}
+        kwargs = {k: v for k, v in locals().items() if k in config.ROOT_KWARGS}
         kwargs.update(auto_wrap_policy=None, ignored_states=ignored_params)
         if config.is_stand_in(process_group):
             self._init_stand_in(
