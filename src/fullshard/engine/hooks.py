@@ -340,12 +340,16 @@ class FSDPState:
         """Gather this unit for its backward and prefetch the unit that runs backward next.
 
         ``starts=False``: the backward of a call that did not end the unit's forward ([Note:
-        a unit of several modules]): only make sure the unit is gathered."""
+        a unit of several modules]): only make sure the unit is gathered. So too for an output
+        whose gradient arrives after the unit's backward ended (its post-backward ran): a
+        unit of several modules whose last call returned a tensor its other calls' outputs
+        feed back into, e.g. a multi-token-prediction module that calls the shared output
+        head after the main path did and returns its input."""
         ctx = self._context()
         ctx.ensure_end_of_backward_callback()
         if self.training_state is TrainingState.PRE_BACKWARD:  # another output's hook
             return
-        if not starts:
+        if not starts or self.training_state is TrainingState.POST_BACKWARD:
             if self.group.unshard_in_backward:
                 self.group.wait_for_unshard()
             return

@@ -28,10 +28,12 @@ names the unit: a hook firing in an unexpected order fails loudly instead of cor
 
 (FORWARD --backward--> is a unit of several modules whose forward did not end: one of its
 modules did not run.) Every hook moves through the guard; the only calls that leave the state
-as it is are a pre-backward in PRE_BACKWARD (the hook of another output of the unit) and a
-recomputation under activation checkpointing (a forward during backward). Refused: a forward
-in PRE_BACKWARD or POST_BACKWARD (after a backward that raised: ``reset_iter_state`` first),
-and a pre-backward or post-backward after the unit's post-backward, before the step ended.
+as it is are a pre-backward in PRE_BACKWARD (the hook of another output of the unit), one in
+POST_BACKWARD (an output whose gradient arrives after the unit's backward ended: it only makes
+sure the unit is gathered) and a recomputation under activation checkpointing (a forward during
+backward). Refused: a forward in PRE_BACKWARD or POST_BACKWARD (after a backward that raised:
+``reset_iter_state`` first), and a post-backward after the unit's post-backward, before the step
+ended.
 """
 
 from __future__ import annotations
