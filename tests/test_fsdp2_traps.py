@@ -531,7 +531,8 @@ def _run_all() -> dict[tuple[str, str, str], dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[str, str, str], dict[str, Any]]:
-    return run_distributed(_run_all, WORLD, timeout=600)[0]
+    # a collective one rank never reaches fails in 2 minutes rather than hanging the spawn
+    return run_distributed(_run_all, WORLD, timeout=600, pg_timeout=120)[0]
 
 
 def _diff(got: Any, want: Any, tol: tuple[float, float], where: str = "") -> str | None:
