@@ -8,7 +8,8 @@
    also a unit whose module returns its input beside its output (``passthrough``).
 2. ``muon_empty_shards`` (microsoft/dion#83): Muon on weights whose dim 0 is below the world
    size, (2, 8) and (1, 16) on 4 ranks (ranks with empty shards). fullshard runs
-   ``WholeTensor(fullshard.optim.Muon)``, FSDP2's users ``torch.optim.Muon`` on the shards.
+   ``WholeTensor(fullshard.optim.Muon)``; FSDP2's users run Muon on the shards
+   (``fullshard.optim.Muon``: ``torch.optim.Muon``'s step, in float32 as the oracle).
 3. ``mixed_grad_dtypes`` (pytorch/pytorch#196996): bf16 compute, fp32 reduction, gradient
    accumulation (sync off, then on): a parameter first used on the synced micro-step
    (``fresh``), or never used with ``set_reduce_scatter_unused_params(True)`` (``unused``),
@@ -216,8 +217,8 @@ def _thin_data(step: int) -> torch.Tensor:
 
 
 def _train_muon(shard: Callable[..., Any] | None) -> dict[str, torch.Tensor]:
-    """Muon (float32 Newton-Schulz) steps: one process, fullshard's ``WholeTensor``, or
-    ``torch.optim.Muon`` on FSDP2's shards (its users' setup)."""
+    """Muon (float32 Newton-Schulz) steps: one process, fullshard's ``WholeTensor``, or Muon
+    stepping FSDP2's shards directly (its users' setup)."""
     model = _Thin()
     opt: torch.optim.Optimizer
     if shard is None:
@@ -228,8 +229,8 @@ def _train_muon(shard: Callable[..., Any] | None) -> dict[str, torch.Tensor]:
         shard(model)
         if shard is fully_shard:
             opt = WholeTensor(Muon, list(model.parameters()), lr=0.05, ns_dtype="float32")
-        else:
-            opt = torch.optim.Muon(model.parameters(), lr=0.05)
+        else:  # torch.optim.Muon's step (float32 Newton-Schulz, as the oracle) on the shards
+            opt = Muon(model.parameters(), lr=0.05, ns_dtype="float32")
     for step in range(STEPS):
         x = _thin_data(step)
         model(x if shard is None else _mine(x)).pow(2).mean().backward()
@@ -586,6 +587,17 @@ def _order_verdict(got: dict[str, Any], want: dict[str, Any]) -> str:
 # What torch FSDP2 does, per torch release (``pytest -s`` prints it): "ok" equal to one
 # process, "raises" or "wrong". Asserted where the installed torch is listed.
 FSDP2_OUTCOMES: dict[tuple[int, int], dict[tuple[str, str], str]] = {
+    (2, 9): {
+        ("head_reuse", "mtp_first"): "ok",
+        ("head_reuse", "head_first"): "raises",  # setStorage
+        ("head_reuse", "passthrough"): "ok",
+        ("muon_empty_shards", "(2, 8) and (1, 16) on 4 ranks"): "ok",  # 2.9's DTensor add_
+        ("mixed_grad_dtypes", "fresh"): "raises",  # (no set_reduce_scatter_unused_params)
+        ("unfreeze_mixed_precision", "fp32 params"): "raises",
+        ("unfreeze_mixed_precision", "bf16 params"): "wrong",
+        ("order", "plain init"): "ok",
+        ("order", "meta init"): "ok",
+    },
     (2, 13): {
         ("head_reuse", "mtp_first"): "ok",
         ("head_reuse", "head_first"): "raises",  # setStorage: the head's storage was freed
@@ -653,5 +665,5 @@ def test_fsdp2_outcomes(results) -> None:
     expected = FSDP2_OUTCOMES.get(TORCH_VERSION)
     if expected is None:
         return
-    got = {(t, c): v.split(":")[0] for t, c, v, _ in rows}
-    assert got == {k: v for k, v in expected.items() if k in got}, got
+    got = {(t, c): v.split(":")[0] for t, c, v, _ in rows if not v.startswith("not run")}
+    assert got == expected, got
