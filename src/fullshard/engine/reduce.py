@@ -214,7 +214,7 @@ def collect_grads(g: ReduceUnit) -> list[tuple[ShardedParam, torch.Tensor]]:
             if up is not None:
                 up.grad = None
             if grad is not None:
-                grad = sp.grad_data(grad)
+                grad = sp.grad_data(grad, reduce_dtype)
             if grad is not None:
                 if sp.unsharded_accum_grad is not None:
                     sp.unsharded_accum_grad.add_(grad)
