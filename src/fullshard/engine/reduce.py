@@ -33,6 +33,16 @@ keeps a partial sum (``set_requires_all_reduce(False)``) runs no hook. With
 ``set_force_sum_reduction_for_comms(True)`` the hook sees the sum and the division follows it,
 as in FSDP2 (fullshard's collectives are always sums with a separate division, so that knob
 changes nothing else).
+
+Without a stream the hook runs on the compute stream when the reduction finishes. With
+``stream=`` (never with HSDP, as FSDP2) it runs on that stream ([Note: a user's stream] in
+``fullshard.engine.streams``) as FSDP2's lines do: the hook stream waits for the
+reduce-scatter (the handle is waited on while that stream is current), the division and the
+hook run there, an event is recorded, and the compute stream waits for that event before the
+shards are handed out. It starts where HSDP's all-reduce would (``StepContext.make_room``
+:meth:`PendingReduce.advance`), so a hook's collective (torchft's cross-replica all-reduce)
+stays in flight through the next unit's backward, and the packed input is kept until the
+compute stream has waited.
 """
 
 from __future__ import annotations
