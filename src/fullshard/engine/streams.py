@@ -75,7 +75,8 @@ def user_stream(stream: object, device: torch.device, what: str) -> Any:
     names the argument in the error), for a unit on ``device``.
 
     [Note: a user's stream]
-    On CUDA it is the user's ``torch.cuda.Stream`` of the unit's device itself. Elsewhere
+    On CUDA it is the user's ``torch.cuda.Stream`` of the unit's device itself (a
+    ``torch.Stream`` of that device as the same ``torch.cuda.Stream``). Elsewhere
     torch's streams order nothing (a ``torch.cpu.Stream`` is a stub), so the user's stream
     stands for a logical stream of its own, where the engine runs that work with the same
     waits as on CUDA, which the stream checker checks: a logical stream as it is, a
@@ -85,7 +86,13 @@ def user_stream(stream: object, device: torch.device, what: str) -> Any:
     """
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if isinstance(stream, torch.cuda.Stream) and stream.device.index == index:
+        if isinstance(stream, torch.Stream) and stream.device == torch.device("cuda", index):
+            if not isinstance(stream, torch.cuda.Stream):  # torch.Stream(device="cuda")
+                stream = torch.cuda.Stream(  # the same stream, as torch.cuda.current_stream
+                    stream_id=stream.stream_id,
+                    device_index=stream.device_index,
+                    device_type=stream.device_type,
+                )
             return stream
         fix = f"a torch.cuda.Stream of device cuda:{index}"
     elif isinstance(stream, LogicalStream):
