@@ -29,8 +29,9 @@ shift
 # that torch too), the torch range's refusals, the framework clients (pipelining, Accelerate,
 # Fabric, transformers, DCP; Accelerate and the Trainer on FSDP1), checkpoints (FSDP1's too),
 # composition, the install, the backend plan, the stream-order checker and fullshard.rl (the
-# RL stacks ship torch 2.9-2.11: weight sync, sleep/wake, FSDP2's private names as they are) and
-# the traps FSDP2's users reported (what FSDP2 does there is asserted per torch release).
+# RL stacks ship torch 2.9-2.11: weight sync, sleep/wake, FSDP2's private names as they are),
+# TP gradients reduced in reduce_dtype, the all-reduce hook's stream, every order of backward
+# hooks and the traps FSDP2's users reported (what FSDP2 does there is asserted per release).
 SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/test_fsdp2_misuse.py
         tests/test_torch_range.py tests/test_torch215_api.py tests/clients
         tests/test_engine_knobs.py tests/test_features.py tests/test_checkpoint.py
@@ -38,7 +39,9 @@ SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/test_fsdp2_misuse.
         tests/test_frozen.py tests/test_backend_plan.py tests/test_stream_order.py
         tests/test_labels.py tests/test_states.py tests/test_chunked_loss.py tests/test_fsdp1.py
         tests/test_fsdp1_api.py tests/test_fsdp1_checkpoint.py tests/test_rl_sync.py
-        tests/test_rl_sleep.py tests/test_rl_private_names.py tests/test_fsdp2_traps.py)
+        tests/test_rl_sleep.py tests/test_rl_private_names.py tests/test_tp_reduce_dtype.py
+        tests/test_all_reduce_hook_stream.py tests/test_fsdp2_traps.py
+        tests/test_backward_orders.py)
 MODE=pytest
 ARGS=(tests)
 if [ $# -gt 0 ]; then

@@ -137,3 +137,29 @@ def test_post_optim_event_waited_once(nccl) -> None:
     assert len(model._forward_pre_hooks) == hooks + 1
     assert _train(model, steps=2) == expected
     assert len(model._forward_pre_hooks) == hooks  # used once, then dropped
+
+
+@pytest.mark.parametrize("kind", ["torch.cuda.Stream", "torch.Stream"])
+def test_all_reduce_hook_runs_on_its_stream(nccl, kind: str) -> None:
+    """set_all_reduce_hook(stream=): the hook runs on that stream (a ``torch.Stream`` of the
+    device stands for the same stream) and the gradients are handed out after it: a hook that
+    sleeps on its stream before doubling the reduced shards still doubles every gradient."""
+    ref = make_net().cuda()
+    x, y = (t.cuda() for t in batch(0))
+    loss_fn(ref(x), y).backward()
+    model = shard_net(make_net().cuda())
+    stream = torch.cuda.Stream() if kind == "torch.cuda.Stream" else torch.Stream(device="cuda")
+    seen = []
+
+    def slow_double(t: torch.Tensor) -> None:
+        seen.append(torch.cuda.current_stream().stream_id)
+        torch.cuda._sleep(5_000_000)  # the hand-out must wait for this stream's work
+        t.mul_(2)
+
+    for unit in (model.embed, *model.blocks, model):
+        unit.set_all_reduce_hook(slow_double, stream=stream)
+    loss_fn(model(x), y).backward()
+    assert seen and set(seen) == {stream.stream_id}
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), 2 * q.grad, atol=1e-5, rtol=1e-4)

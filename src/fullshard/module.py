@@ -40,6 +40,7 @@ from .engine.overrides import (
     ReduceScatterComm,
     separate_reduce_scatter_groups,
 )
+from .engine.streams import user_stream
 from .torch_state import fully_shard_state
 
 __all__ = [
@@ -386,9 +387,14 @@ class FSDPModule(_TorchFSDPModule):
         to back, padded), after the all-reduce across replicas with HSDP; the hook may modify
         it in place (e.g. an all-reduce over another group, a scaling) before it becomes the
         parameters' ``.grad``. See [Note: the all-reduce hook] in ``fullshard.engine.reduce``.
-        ``stream`` (CUDA, not with HSDP, as FSDP2): the stream to run the hook on; ignored on
-        the CPU. With HSDP (a 2-D mesh, whatever its replicate size) a stream is refused with
-        FSDP2's ``ValueError``, its message exactly (torch's tests compare it whole).
+        ``stream`` (not with HSDP, as FSDP2): the stream to run the hook on, ordered after the
+        reduce-scatter; the gradients are handed out after it (on the compute stream, which
+        waits for it). On CUDA a ``torch.cuda.Stream`` of the unit's device; on the CPU a
+        ``torch.Stream(device="cpu")`` (or ``torch.cpu.Stream``), which stands for a logical
+        stream that ``fullshard.engine.streamcheck.check_streams()`` checks ([Note: a user's
+        stream] in ``fullshard.engine.streams``); another object is refused. With HSDP (a 2-D
+        mesh, whatever its replicate size) a stream is refused with FSDP2's ``ValueError``, its
+        message exactly (torch's tests compare it whole).
         """
         state = unit_state(cast(nn.Module, self))
         if not callable(hook):
@@ -396,6 +402,8 @@ class FSDPModule(_TorchFSDPModule):
         if stream is not None and state.group.info.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")
         _check_collectives(state, "set_all_reduce_hook")
+        if stream is not None:
+            stream = user_stream(stream, state.group.device, "set_all_reduce_hook: stream")
         state.group.overrides.all_reduce_hook = hook
         state.group.overrides.hook_stream = stream
 

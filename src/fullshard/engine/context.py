@@ -171,11 +171,12 @@ class StepContext(Generic[U]):
             oldest = self.pending.pop(0)
             # HSDP: the oldest's reduce-scatter is done; its all-reduce across replicas then
             # runs while the next unit computes (as FSDP2's all-reduce stream), one at a time,
-            # holding only the gradient shards it reduces in place
+            # holding only the gradient shards it reduces in place; so does an all-reduce hook
+            # given a stream, on that stream ([Note: the all-reduce hook])
             for p in self.replicating:
                 p.finish()
             self.replicating = []
-            if oldest.replicate_group is not None and not oldest.allreduce_issued:
+            if oldest.continues:  # or its all-reduce hook, on the hook's stream
                 oldest.advance()
                 self.replicating.append(oldest)
             else:
@@ -243,7 +244,7 @@ class StepContext(Generic[U]):
         engine drops queued callbacks when a backward raises, so none counts as queued.
         """
         for p in (*self.replicating, *self.pending):
-            p.handle.wait()
+            p.discard()
         self.replicating, self.pending = [], []
         for st in self.states:
             st.group.reset_iter_state()

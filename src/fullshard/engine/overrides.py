@@ -8,8 +8,10 @@ per-dtype and per-mesh child groups) holds them; ``fullshard.engine.gather`` and
   ``ReduceScatter`` protocol (``allocate(size, dtype=, device=)`` and ``__call__``). A unit
   with one allocates that direction's packed buffers through ``allocate`` and runs the
   collective through it, so that direction always uses the packed transport.
-- ``all_reduce_hook``: called on the unit's reduced gradient shards (the flat, padded
-  reduce-scatter output; after the all-reduce across replicas with HSDP), as FSDP2 does.
+- ``all_reduce_hook``, ``hook_stream``: the hook called on the unit's reduced gradient shards
+  (the flat, padded reduce-scatter output; after the all-reduce across replicas with HSDP),
+  and the stream it runs on, as FSDP2 does ([Note: the all-reduce hook] in
+  ``fullshard.engine.reduce``).
 - ``reduce_scatter_unused_params``: see [Note: unused parameters] in ``fullshard.engine.reduce``.
 - ``max_input_buffers``: reductions allowed in flight at once (the root's units share one cap,
   the largest any of them asks for; ``StepContext.make_room``); ``None``, the default, is 1
@@ -52,7 +54,6 @@ import torch
 import torch.distributed as dist
 
 from .mesh import member_group
-from .streams import current_stream, on_stream, serves
 
 __all__ = [
     "AllGatherComm",
@@ -62,7 +63,6 @@ __all__ = [
     "CommOverrides",
     "ReduceScatterComm",
     "allocate",
-    "run_hook",
     "separate_reduce_scatter_groups",
 ]
 
@@ -105,7 +105,8 @@ class CommOverrides:
     all_gather: AllGatherComm | None = None
     reduce_scatter: ReduceScatterComm | None = None
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    hook_stream: Any = None  # the stream to run the hook on (fullshard.engine.streams.serves)
+    # the stream to run the hook on ([Note: a user's stream] in fullshard.engine.streams)
+    hook_stream: Any = None
     reduce_scatter_unused_params: bool = False
     max_input_buffers: int | None = None  # None: the default (see the module docstring)
     reduce_scatter_group: dist.ProcessGroup | None = None
@@ -213,23 +214,6 @@ class BackendReduceScatter(_BackendBuffers):
         return dist.reduce_scatter_tensor(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )
-
-
-def run_hook(overrides: CommOverrides, output: torch.Tensor) -> None:
-    """Run the all-reduce hook on ``output`` (on its stream, if one was given that serves
-    ``output``'s device: a CUDA stream, or a logical one on the CPU)."""
-    hook = overrides.all_reduce_hook
-    if hook is None:
-        return
-    stream = overrides.hook_stream
-    if stream is None or not serves(stream, output.device):
-        hook(output)
-        return
-    current = current_stream(output.device)
-    stream.wait_stream(current)  # the hook sees the reduced output
-    with on_stream(stream):
-        hook(output)
-    current.wait_stream(stream)  # the gradients are handed out on the compute stream
 
 
 def separate_reduce_scatter_groups(

@@ -35,7 +35,13 @@ A parameter that is already a ``DTensor`` on other mesh dims (tensor or expert p
 shards the same dim, the dp placement is ``_StridedShard(dim, split_factor)`` (FSDP2's
 convention: dp's chunks interleave inside each TP chunk). The unsharded form wraps the
 gathered local tensor in the TP ``DTensor`` again, so TP modules see what they expect, and
-:meth:`grad_data` unwraps its gradient. Communication runs over dp only.
+:meth:`grad_data` unwraps its gradient. The unit's communication runs over dp only; a gradient
+autograd leaves in other placements than the parameter's (``Partial()`` on tp for a
+TP-replicated norm weight under sequence parallelism) is redistributed first, over tp; one
+that sums (from ``Partial()``) runs in the unit's reduce dtype
+(``MixedPrecisionPolicy.reduce_dtype``), cast before it on the local tensor (so on every
+torch, whatever DTensor's cast rules), as torch 2.15's FSDP2 (pytorch/pytorch#190626); in
+``param_dtype`` that all-reduce would round bf16 sums.
 With ``dp_mesh_dims`` (FSDP2's full-SPMD-mesh form) the parameter is a DTensor on the *full*
 mesh with ``Replicate()`` on the dp dims; the sharded form stays on that mesh with each dp
 shard dim's placement replaced (``_StridedShard`` where a later mesh dim shards the same
@@ -362,9 +368,10 @@ class ShardedParam:
         data = self.unsharded_data
         return 0 if data is None else data.untyped_storage().nbytes()
 
-    def grad_data(self, grad: torch.Tensor) -> torch.Tensor:
+    def grad_data(self, grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
         """The plain tensor to reduce from an unsharded gradient (a TP DTensor's local data,
-        redistributed to the parameter's TP placements first if autograd left it otherwise)."""
+        redistributed to the parameter's TP placements first if autograd left it otherwise,
+        in ``reduce_dtype``: see [Note: composing with DTensor parallelism])."""
         if not isinstance(grad, DTensor):
             return grad
         target = self.tp_placements
@@ -372,6 +379,16 @@ class ShardedParam:
             dp = self.info.spmd.dp_dims
             target = tuple(grad.placements[i] if i in dp else p for i, p in enumerate(target))
         if tuple(grad.placements) != target:
+            summed = any(a.is_partial() and a != b for a, b in zip(grad.placements, target))
+            if summed and grad.dtype != reduce_dtype:  # a reduction: in the reduce dtype
+                grad = DTensor.from_local(
+                    grad._local_tensor.to(reduce_dtype),
+                    grad.device_mesh,
+                    grad.placements,
+                    run_check=False,
+                    shape=grad.shape,
+                    stride=grad.stride(),
+                )
             grad = grad.redistribute(placements=target)
         return grad._local_tensor
 

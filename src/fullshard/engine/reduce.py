@@ -33,6 +33,16 @@ keeps a partial sum (``set_requires_all_reduce(False)``) runs no hook. With
 ``set_force_sum_reduction_for_comms(True)`` the hook sees the sum and the division follows it,
 as in FSDP2 (fullshard's collectives are always sums with a separate division, so that knob
 changes nothing else).
+
+Without a stream the hook runs on the compute stream when the reduction finishes. With
+``stream=`` (never with HSDP, as FSDP2) it runs on that stream ([Note: a user's stream] in
+``fullshard.engine.streams``) as FSDP2's lines do: the hook stream waits for the
+reduce-scatter (the handle is waited on while that stream is current), the division and the
+hook run there, an event is recorded, and the compute stream waits for that event before the
+shards are handed out. It starts where HSDP's all-reduce would (``StepContext.make_room``
+:meth:`PendingReduce.advance`), so a hook's collective (torchft's cross-replica all-reduce)
+stays in flight through the next unit's backward, and the packed input is kept until the
+compute stream has waited.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,9 +58,9 @@ import torch.distributed as dist
 from . import collectives as C
 from .events import emit
 from .labels import labelled
-from .overrides import CommOverrides, allocate, run_hook
+from .overrides import CommOverrides, allocate
 from .param import ShardedParam, _dtensor_like
-from .streams import CommStreams
+from .streams import CommStreams, current_stream, on_stream
 from .unit import CommUnit
 
 __all__ = [
@@ -145,9 +155,20 @@ class PendingReduce:
     allreduce_issued: bool = False
     overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
     nbytes: int = 0  # the unit's unsharded bytes, for the CPU's window of reductions in flight
+    hooked: Any = None  # the hook stream's event once the hook ran there (advance)
+
+    @property
+    def continues(self) -> bool:
+        """Whether work that follows the reduce-scatter off the compute stream is still to
+        start (:meth:`advance`): the all-reduce across replicas (HSDP), or the all-reduce hook
+        on its own stream."""
+        if self.replicate_group is not None:
+            return not self.allreduce_issued
+        return self._hook_stream() is not None and self.hooked is None
 
     def advance(self) -> None:
-        """Once the reduce-scatter is done, start the all-reduce across replicas (HSDP)."""
+        """Once the reduce-scatter is done, start the all-reduce across replicas (HSDP), or
+        run the all-reduce hook on its stream ([Note: the all-reduce hook])."""
         if self.replicate_group is not None and not self.allreduce_issued:
             self.handle.wait()
             self.send = None
@@ -157,6 +178,44 @@ class PendingReduce:
                 self.handle = C.all_reduce(self.output, self.replicate_group, what=self.what)
             self.allreduce_issued = True
             emit("allreduce_issue", self.unit)
+        stream = self._hook_stream()
+        if stream is not None and self.hooked is None:
+            with on_stream(stream):
+                self.handle.wait()  # the hook stream waits for the reduce-scatter
+                self._divide_and_hook()
+                self.hooked = stream.record_event()
+
+    def _hook_stream(self) -> Any:
+        """The stream the all-reduce hook runs on, if the unit gave it one (never with HSDP:
+        ``set_all_reduce_hook`` refuses a stream there, as FSDP2)."""
+        o = self.overrides
+        if o is None or o.all_reduce_hook is None or self.partial is not None:
+            return None
+        return o.hook_stream
+
+    def _divide_and_hook(self) -> None:
+        """Divide the reduced output and run the all-reduce hook on it, in the order [Note:
+        the all-reduce hook] says, on the current stream."""
+        hook = self.overrides.all_reduce_hook if self.overrides is not None else None
+        post, mean_first = self.division.post, self.division.hook_sees_mean
+        if post != 1.0 and (hook is None or mean_first):
+            self.output.div_(post)
+        if hook is not None:
+            hook(self.output)
+            if post != 1.0 and not mean_first:
+                self.output.div_(post)
+
+    def discard(self) -> None:
+        """Wait for everything in flight; the results are dropped (``reset_iter_state``)."""
+        self.handle.wait()
+        self._wait_hook()
+
+    def _wait_hook(self) -> bool:
+        """The current stream waits for the hook's stream, if the hook ran there."""
+        if self.hooked is None:
+            return False
+        current_stream(self.output.device).wait_event(self.hooked)  # the hand-out waits
+        return True
 
     @labelled("reduce_scatter_wait", unit_attr="unit")
     def finish(self) -> None:
@@ -164,19 +223,13 @@ class PendingReduce:
         self.advance()
         self.handle.wait()
         emit("reduce_wait", self.unit)
+        hooked = self._wait_hook()
         self.send = None  # the compute stream has waited for the collective: safe to free
         if self.replicate_group is None and self.partial is not None:
             self.partial.add(self.output, self.params)
             return
-        hook = self.overrides is not None and self.overrides.all_reduce_hook is not None
-        post, mean_first = self.division.post, self.division.hook_sees_mean
-        if post != 1.0 and (not hook or mean_first):
-            self.output.div_(post)
-        if hook:  # see [Note: the all-reduce hook]
-            assert self.overrides is not None
-            run_hook(self.overrides, self.output)
-            if post != 1.0 and not mean_first:
-                self.output.div_(post)
+        if not hooked:
+            self._divide_and_hook()
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
             # a CPU run copies too ([Note: the offload copy on the CPU] in
@@ -214,7 +267,7 @@ def collect_grads(g: ReduceUnit) -> list[tuple[ShardedParam, torch.Tensor]]:
             if up is not None:
                 up.grad = None
             if grad is not None:
-                grad = sp.grad_data(grad)
+                grad = sp.grad_data(grad, reduce_dtype)
             if grad is not None:
                 if sp.unsharded_accum_grad is not None:
                     sp.unsharded_accum_grad.add_(grad)

@@ -46,7 +46,7 @@ import torch
 
 from .streamcheck import LogicalStream, current_logical, on_logical
 
-__all__ = ["CommStreams", "current_stream", "new_stream", "on_stream", "serves"]
+__all__ = ["CommStreams", "current_stream", "new_stream", "on_stream", "user_stream"]
 
 
 def new_stream(device: torch.device, name: str) -> Any:
@@ -70,13 +70,40 @@ def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.stream(stream)
 
 
-def serves(stream: object, device: torch.device) -> bool:
-    """Whether ``stream`` can run work for ``device``: a CUDA stream of that device, or a
-    logical stream for any other device (a user's ``torch.cpu.Stream`` orders nothing)."""
+def user_stream(stream: object, device: torch.device, what: str) -> Any:
+    """The stream the engine runs a user's work on for a ``stream`` the user passed (``what``
+    names the argument in the error), for a unit on ``device``.
+
+    [Note: a user's stream]
+    On CUDA it is the user's ``torch.cuda.Stream`` of the unit's device itself (a
+    ``torch.Stream`` of that device as the same ``torch.cuda.Stream``). Elsewhere
+    torch's streams order nothing (a ``torch.cpu.Stream`` is a stub), so the user's stream
+    stands for a logical stream of its own, where the engine runs that work with the same
+    waits as on CUDA, which the stream checker checks: a logical stream as it is, a
+    ``torch.Stream`` of the device (``torch.Stream(device="cpu")``) the logical stream named
+    after its id (equal ``torch.Stream`` objects, equal streams), a ``torch.cpu.Stream`` one
+    named after the object. Anything else is refused.
+    """
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return isinstance(stream, torch.cuda.Stream) and stream.device.index == index
-    return isinstance(stream, LogicalStream)
+        if isinstance(stream, torch.Stream) and stream.device == torch.device("cuda", index):
+            if not isinstance(stream, torch.cuda.Stream):  # torch.Stream(device="cuda")
+                stream = torch.cuda.Stream(  # the same stream, as torch.cuda.current_stream
+                    stream_id=stream.stream_id,
+                    device_index=stream.device_index,
+                    device_type=stream.device_type,
+                )
+            return stream
+        fix = f"a torch.cuda.Stream of device cuda:{index}"
+    elif isinstance(stream, LogicalStream):
+        return stream
+    elif isinstance(stream, torch.Stream) and stream.device.type == device.type:
+        return LogicalStream(f"{device.type} stream {stream.stream_id}")
+    elif isinstance(stream, torch.cpu.Stream) and device.type == "cpu":
+        return LogicalStream(f"torch.cpu.Stream at {id(stream):#x}")
+    else:
+        fix = f'a torch.Stream(device="{device.type}")'
+    raise ValueError(f"{what}={stream!r} cannot run work for a unit on {device}; pass {fix}")
 
 
 class CommStreams:
