@@ -1,0 +1,171 @@
+"""One rank of one torchft replica group, for tests/test_torchft.py (run as a script).
+
+Each rank trains the same two-layer model twice, side by side under one torchft ``Manager``:
+once sharded by fullshard's ``fully_shard`` and once by torch's FSDP2 ``fully_shard`` (the
+reference). Both models' units get the same all-reduce hook (an average over the replica
+groups through torchft's managed process group), both optimizers sit behind torchft's
+``OptimizerWrapper`` (a step is applied only when the quorum commits it), and both are in the
+state that heals a restarted replica group. So both engines see the very same quorums,
+failures and heals, and must end identical.
+
+Every rank of every replica group draws its own batch at each step: the replica groups'
+gradients differ, so the average across them is what the engines must agree on, whichever
+groups took part in each step (which depends on when one was killed).
+
+Environment: ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (this replica group's
+own rendezvous), ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE``. Arguments: the output folder,
+in which the test writes ``stop`` (the committed step to stop at) and each rank appends its
+committed steps to ``log_<replica>_<rank>`` and writes its final state to
+``final_<replica>_<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torchft import Manager, ProcessGroupGloo
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ManagedProcessGroup
+
+from fullshard import fully_shard
+
+ENGINES: dict[str, Callable[..., Any]] = {"fullshard": fully_shard, "torch": torch_fully_shard}
+
+
+def build(shard: Callable[..., Any], mesh: Any, hook: Callable[[torch.Tensor], None]) -> nn.Module:
+    """The model, one unit per linear layer plus the root, every unit with ``hook``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+    for layer in (model[0], model[2]):
+        shard(layer, mesh=mesh)
+    shard(model, mesh=mesh)
+    for module in model.modules():
+        if hasattr(module, "set_all_reduce_hook"):  # every FSDP unit
+            module.set_all_reduce_hook(hook)
+    return model
+
+
+def local(value: Any) -> Any:
+    """A DTensor's local shard (what one rank heals), anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def heal_state(models: dict[str, nn.Module], opt: torch.optim.Optimizer) -> dict:
+    """This rank's parameter shards and optimizer state (the state a restarted group heals)."""
+    state: dict[str, Any] = {}
+    for name, model in models.items():
+        state[name] = {
+            "params": [local(p).detach().clone() for p in model.parameters()],
+            "optim": [
+                {k: local(v).clone() for k, v in opt.state[p].items()} for p in model.parameters()
+            ],
+        }
+    return state
+
+
+def load_heal_state(models: dict, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Copy a healthy replica's shards and optimizer state into this rank's, in place."""
+    with torch.no_grad():
+        for name, model in models.items():
+            for p, saved, saved_opt in zip(
+                model.parameters(), state[name]["params"], state[name]["optim"]
+            ):
+                local(p).copy_(saved)
+                if not opt.state[p]:  # a fresh optimizer: create its state first
+                    opt.state[p] = {
+                        k: (
+                            DTensor.from_local(v.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                            if isinstance(p, DTensor) and v.dim() > 0
+                            else v.clone()
+                        )
+                        for k, v in saved_opt.items()
+                    }
+                else:
+                    for k, v in saved_opt.items():
+                        local(opt.state[p][k]).copy_(v)
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer-state tensor, unsharded (a collective in the group)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        out[name] = p.full_tensor().detach().clone()
+        for k, v in opt.state[p].items():
+            out[f"{name}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
+    return out
+
+
+def stop_step(folder: str) -> int:
+    try:
+        with open(os.path.join(folder, "stop")) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return 1 << 30
+
+
+def main(folder: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    replica = os.environ["REPLICA_GROUP_ID"]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # the group's own store
+    mesh = init_device_mesh("cpu", (world,))
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        replica_id=f"ft_{replica}",
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=10),
+    )
+    replicas = ManagedProcessGroup(manager)
+
+    def average_over_replicas(output: torch.Tensor) -> None:
+        dist.all_reduce(output, group=replicas, op=dist.ReduceOp.AVG)
+
+    models = {e: build(shard, mesh, average_over_replicas) for e, shard in ENGINES.items()}
+    # one optimizer (one commit per step), a parameter group per engine
+    inner = torch.optim.AdamW(
+        [{"params": list(m.parameters())} for m in models.values()], lr=0.02, foreach=False
+    )
+    opt = OptimizerWrapper(manager, inner)
+    manager.register_state_dict_fn(
+        "train",
+        lambda state: load_heal_state(models, inner, state),
+        lambda: heal_state(models, inner),
+    )
+    log = open(os.path.join(folder, f"log_{replica}_{rank}"), "a")  # noqa: SIM115
+    while manager.current_step() < stop_step(folder):
+        opt.zero_grad()  # starts this step's quorum
+        manager.wait_quorum()  # a healing group now knows the step it heals to
+        step = manager.current_step()
+        gen = torch.Generator().manual_seed(1000 * step + 10 * int(replica) + rank)
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 5, generator=gen)
+        for model in models.values():
+            nn.functional.mse_loss(model(x), y).backward()
+        participants = manager.num_participants()
+        opt.step()  # applied only if the quorum commits the step
+        committed = manager.current_step() > step
+        log.write(f"{step} {participants} {int(committed)} {os.getpid()}\n")
+        log.flush()
+        time.sleep(float(os.environ.get("TORCHFT_TEST_STEP_SLEEP", "0.05")))
+    final: dict[str, Any] = {e: full_state(models[e], inner) for e in ENGINES}
+    final["step"] = manager.current_step()
+    torch.save(final, os.path.join(folder, f"final_{replica}_{rank}.pt"))
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
