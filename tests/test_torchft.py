@@ -45,6 +45,10 @@ class ReplicaGroups:
         from torchft._torchft import LighthouseServer
 
         self.folder, self.group_size = folder, group_size
+        # each engine next to its torch reference; FSDP1 on one rank is torch's NO_SHARD
+        self.engines = {"fullshard": "torch"}
+        if group_size > 1:
+            self.engines["fullshard_fsdp1"] = "torch_fsdp1"
         self.lighthouse = LighthouseServer(
             bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000
         )
@@ -64,6 +68,7 @@ class ReplicaGroups:
                 WORLD_SIZE=str(self.group_size),
                 REPLICA_GROUP_ID=str(replica),
                 TORCHFT_LIGHTHOUSE=self.lighthouse.address(),
+                TORCHFT_TEST_ENGINES=",".join(f"{e},{r}" for e, r in self.engines.items()),
             )
             log = open(self.folder / f"out_{replica}_{rank}", "a")  # noqa: SIM115
             procs.append(
@@ -176,7 +181,11 @@ def test_kill_survive_heal_matches_torch_fsdp2(tmp_path: Path, group_size: int) 
     step = state[0, 0]["step"]
     for key, final in state.items():
         assert final["step"] == step, key
-        assert final["fullshard"].keys() == final["torch"].keys()
-        for name, ref in state[0, key[1]]["fullshard"].items():
-            torch.testing.assert_close(final["fullshard"][name], ref, rtol=0, atol=0, msg=name)
-            torch.testing.assert_close(final["torch"][name], ref, rtol=1e-6, atol=1e-7, msg=name)
+        for engine, reference in groups.engines.items():
+            assert final[engine].keys() == final[reference].keys()
+            for name, ref in state[0, key[1]][engine].items():
+                where = f"{engine} {name} on replica group {key[0]} rank {key[1]}"
+                torch.testing.assert_close(final[engine][name], ref, rtol=0, atol=0, msg=where)
+                torch.testing.assert_close(
+                    final[reference][name], ref, rtol=1e-6, atol=1e-7, msg=where
+                )

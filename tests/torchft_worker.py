@@ -32,21 +32,46 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP1
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 from torchft import Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ManagedProcessGroup
 
-from fullshard import fully_shard
+from fullshard import FSDP, fully_shard
 
-ENGINES: dict[str, Callable[..., Any]] = {"fullshard": fully_shard, "torch": torch_fully_shard}
+FSDP2 = {"fullshard": fully_shard, "torch": torch_fully_shard}
+FSDP1 = {"fullshard_fsdp1": FSDP, "torch_fsdp1": TorchFSDP1}
 
 
-def build(shard: Callable[..., Any], mesh: Any, hook: Callable[[torch.Tensor], None]) -> nn.Module:
-    """The model, one unit per linear layer plus the root, every unit with ``hook``."""
+def layers() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def build(engine: str, mesh: Any, hook: Callable[[torch.Tensor], None]) -> nn.Module:
+    """The model, one unit per linear layer plus the root, every unit reducing across the
+    replica groups with ``hook``: FSDP2's all-reduce hook, or (FSDP1, which has none) a
+    communication hook that reduce-scatters within the group and then runs ``hook``."""
+    model = layers()
+    if engine in FSDP1:
+
+        def comm_hook(state: object, grad: torch.Tensor, output: torch.Tensor) -> None:
+            dist.reduce_scatter_tensor(output, grad)
+            output.div_(dist.get_world_size())
+            hook(output)
+
+        wrapped = FSDP1[engine](
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
+        wrapped.register_comm_hook(None, comm_hook)
+        return wrapped
+    shard = FSDP2[engine]
     for layer in (model[0], model[2]):
         shard(layer, mesh=mesh)
     shard(model, mesh=mesh)
@@ -96,13 +121,33 @@ def load_heal_state(models: dict, opt: torch.optim.Optimizer, state: dict) -> No
                         local(opt.state[p][k]).copy_(v)
 
 
-def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer-state tensor, unsharded (a collective in the group)."""
+def full_state(engine: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Every parameter and optimizer-state tensor, unsharded (collectives in the group).
+
+    FSDP2's (and fullshard's FSDP1's) are DTensors; torch FSDP1's ``use_orig_params`` views
+    are each rank's contiguous piece of the flattened tensor (maybe none), joined in rank
+    order. Tensors are compared flattened.
+    """
     out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        out[name] = p.full_tensor().detach().clone()
         for k, v in opt.state[p].items():
-            out[f"{name}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
+            if isinstance(v, DTensor):
+                out[f"{name}.{k}"] = v.full_tensor().flatten()
+            else:  # a scalar (the step) or torch FSDP1's piece
+                (out if v.dim() == 0 else pieces)[f"{name}.{k}"] = v.detach().clone()
+    if engine in FSDP1:
+        with FSDP1[engine].summon_full_params(model):
+            out.update((n, p.detach().flatten().clone()) for n, p in model.named_parameters())
+    else:
+        out.update((n, p.full_tensor().detach().flatten()) for n, p in model.named_parameters())
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (out, pieces))
+    for rank_out, rank_pieces in everyone:  # state a rank without elements never made
+        for key, value in rank_out.items():
+            out.setdefault(key, value)
+    for key in {k for _, rank_pieces in everyone for k in rank_pieces}:
+        out[key] = torch.cat([rp[key] for _, rp in everyone if key in rp])
     return out
 
 
@@ -134,7 +179,8 @@ def main(folder: str) -> None:
     def average_over_replicas(output: torch.Tensor) -> None:
         dist.all_reduce(output, group=replicas, op=dist.ReduceOp.AVG)
 
-    models = {e: build(shard, mesh, average_over_replicas) for e, shard in ENGINES.items()}
+    engines = os.environ.get("TORCHFT_TEST_ENGINES", "fullshard,torch").split(",")
+    models = {e: build(e, mesh, average_over_replicas) for e in engines}
     # one optimizer (one commit per step), a parameter group per engine
     inner = torch.optim.AdamW(
         [{"params": list(m.parameters())} for m in models.values()], lr=0.02, foreach=False
@@ -160,7 +206,7 @@ def main(folder: str) -> None:
         log.write(f"{step} {participants} {int(committed)} {os.getpid()}\n")
         log.flush()
         time.sleep(float(os.environ.get("TORCHFT_TEST_STEP_SLEEP", "0.05")))
-    final: dict[str, Any] = {e: full_state(models[e], inner) for e in ENGINES}
+    final: dict[str, Any] = {e: full_state(e, models[e], inner) for e in engines}
     final["step"] = manager.current_step()
     torch.save(final, os.path.join(folder, f"final_{replica}_{rank}.pt"))
     manager.shutdown(wait=False)
