@@ -70,16 +70,16 @@ class ReplicaGroups:
                 TORCHFT_LIGHTHOUSE=self.lighthouse.address(),
                 TORCHFT_TEST_ENGINES=",".join(f"{e},{r}" for e, r in self.engines.items()),
             )
-            log = open(self.folder / f"out_{replica}_{rank}", "a")  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(self.folder)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    process_group=procs[0].pid if procs else 0,
+            with open(self.folder / f"out_{replica}_{rank}", "a") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), str(self.folder)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        process_group=procs[0].pid if procs else 0,
+                    )
                 )
-            )
         self.procs[replica] = procs
 
     def kill(self, replica: int) -> None:
@@ -164,8 +164,10 @@ def test_kill_survive_heal_matches_torch_fsdp2(tmp_path: Path, group_size: int) 
         groups.start(1)
         groups.wait_for(
             "the restarted group to heal and commit 2 steps",
-            lambda: len([s for s in groups.steps(1)[-10:] if s[2]]) >= 2
-            and groups.steps(1)[-1][3] != groups.steps(1)[0][3],
+            lambda: (
+                len([s for s in groups.steps(1)[-10:] if s[2]]) >= 2
+                and groups.steps(1)[-1][3] != groups.steps(1)[0][3]
+            ),
         )
         groups.stop_at(max(groups.committed(0), groups.committed(1)) + 3)
         groups.join()

@@ -110,7 +110,13 @@ def load_heal_state(models: dict, opt: torch.optim.Optimizer, state: dict) -> No
                 if not opt.state[p]:  # a fresh optimizer: create its state first
                     opt.state[p] = {
                         k: (
-                            DTensor.from_local(v.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                            DTensor.from_local(
+                                v.clone(),
+                                p.device_mesh,
+                                p.placements,
+                                shape=p.shape,
+                                stride=p.stride(),
+                            )
                             if isinstance(p, DTensor) and v.dim() > 0
                             else v.clone()
                         )
@@ -143,7 +149,7 @@ def full_state(engine: str, model: nn.Module, opt: torch.optim.Optimizer) -> dic
         out.update((n, p.full_tensor().detach().flatten()) for n, p in model.named_parameters())
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (out, pieces))
-    for rank_out, rank_pieces in everyone:  # state a rank without elements never made
+    for rank_out, _ in everyone:  # state a rank without elements never made
         for key, value in rank_out.items():
             out.setdefault(key, value)
     for key in {k for _, rank_pieces in everyone for k in rank_pieces}:
@@ -157,6 +163,26 @@ def stop_step(folder: str) -> int:
             return int(f.read())
     except (FileNotFoundError, ValueError):
         return 1 << 30
+
+
+def train(manager: Manager, models: dict, opt: OptimizerWrapper, folder: str) -> None:
+    """Train until the committed step the test asks for, logging every step."""
+    replica, rank = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["RANK"])
+    with open(os.path.join(folder, f"log_{replica}_{rank}"), "a") as log:
+        while manager.current_step() < stop_step(folder):
+            opt.zero_grad()  # starts this step's quorum
+            manager.wait_quorum()  # a healing group now knows the step it heals to
+            step = manager.current_step()
+            gen = torch.Generator().manual_seed(1000 * step + 10 * replica + rank)
+            x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 5, generator=gen)
+            for model in models.values():
+                nn.functional.mse_loss(model(x), y).backward()
+            participants = manager.num_participants()
+            opt.step()  # applied only if the quorum commits the step
+            committed = manager.current_step() > step
+            log.write(f"{step} {participants} {int(committed)} {os.getpid()}\n")
+            log.flush()
+            time.sleep(float(os.environ.get("TORCHFT_TEST_STEP_SLEEP", "0.05")))
 
 
 def main(folder: str) -> None:
@@ -191,21 +217,7 @@ def main(folder: str) -> None:
         lambda state: load_heal_state(models, inner, state),
         lambda: heal_state(models, inner),
     )
-    log = open(os.path.join(folder, f"log_{replica}_{rank}"), "a")  # noqa: SIM115
-    while manager.current_step() < stop_step(folder):
-        opt.zero_grad()  # starts this step's quorum
-        manager.wait_quorum()  # a healing group now knows the step it heals to
-        step = manager.current_step()
-        gen = torch.Generator().manual_seed(1000 * step + 10 * int(replica) + rank)
-        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 5, generator=gen)
-        for model in models.values():
-            nn.functional.mse_loss(model(x), y).backward()
-        participants = manager.num_participants()
-        opt.step()  # applied only if the quorum commits the step
-        committed = manager.current_step() > step
-        log.write(f"{step} {participants} {int(committed)} {os.getpid()}\n")
-        log.flush()
-        time.sleep(float(os.environ.get("TORCHFT_TEST_STEP_SLEEP", "0.05")))
+    train(manager, models, opt, folder)
     final: dict[str, Any] = {e: full_state(e, models[e], inner) for e in engines}
     final["step"] = manager.current_step()
     torch.save(final, os.path.join(folder, f"final_{replica}_{rank}.pt"))
