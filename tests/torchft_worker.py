@@ -81,50 +81,44 @@ def build(engine: str, mesh: Any, hook: Callable[[torch.Tensor], None]) -> nn.Mo
     return model
 
 
-def local(value: Any) -> Any:
-    """A DTensor's local shard (what one rank heals), anything else as it is."""
-    return value.to_local() if isinstance(value, DTensor) else value
+def snapshot(value: Any) -> Any:
+    """A copy of a (nested) state dict's tensors: torchft may send it while training goes on."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [snapshot(v) for v in value]
+    return value
 
 
 def heal_state(models: dict[str, nn.Module], opt: torch.optim.Optimizer) -> dict:
-    """This rank's parameter shards and optimizer state (the state a restarted group heals)."""
-    state: dict[str, Any] = {}
+    """The state a restarted replica group heals from (this rank's part of it).
+
+    FSDP2 models give their sharded state dicts (DTensors: no collective, so safe on
+    torchft's quorum thread); FSDP1's full state dict would all-gather, so its models give
+    their parameters' local pieces (``use_orig_params`` views). The optimizer gives its state
+    dict (one for every engine's parameters).
+    """
+    state: dict[str, Any] = {"optim": snapshot(opt.state_dict())}
     for name, model in models.items():
-        state[name] = {
-            "params": [local(p).detach().clone() for p in model.parameters()],
-            "optim": [
-                {k: local(v).clone() for k, v in opt.state[p].items()} for p in model.parameters()
-            ],
-        }
+        if name in FSDP1:
+            state[name] = [p.detach().clone() for p in model.parameters()]
+        else:
+            state[name] = snapshot(model.state_dict())
     return state
 
 
 def load_heal_state(models: dict, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Copy a healthy replica's shards and optimizer state into this rank's, in place."""
-    with torch.no_grad():
-        for name, model in models.items():
-            for p, saved, saved_opt in zip(
-                model.parameters(), state[name]["params"], state[name]["optim"]
-            ):
-                local(p).copy_(saved)
-                if not opt.state[p]:  # a fresh optimizer: create its state first
-                    opt.state[p] = {
-                        k: (
-                            DTensor.from_local(
-                                v.clone(),
-                                p.device_mesh,
-                                p.placements,
-                                shape=p.shape,
-                                stride=p.stride(),
-                            )
-                            if isinstance(p, DTensor) and v.dim() > 0
-                            else v.clone()
-                        )
-                        for k, v in saved_opt.items()
-                    }
-                else:
-                    for k, v in saved_opt.items():
-                        local(opt.state[p][k]).copy_(v)
+    """Load a healthy replica's state (the parameters in place: the optimizer holds them)."""
+    for name, model in models.items():
+        if name in FSDP1:
+            with torch.no_grad():
+                for p, saved in zip(model.parameters(), state[name]):
+                    p.copy_(saved)
+        else:
+            model.load_state_dict(state[name])
+    opt.load_state_dict(state["optim"])
 
 
 def full_state(engine: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
