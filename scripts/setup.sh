@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs fullshard with its dev, clients and peers extras.
+# Creates .venv (if missing) and installs fullshard with its dev, clients, ft and peers extras.
 # Without a GPU it installs PyTorch's CPU wheel first, so pip never pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +16,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 # torch is installed above, so resolving the extras keeps it (no CUDA build is pulled); the
-# peers extra (DeepSpeed, for `fullshard bench --modes deepspeed` and its test) is installed
-# under a constraint that holds torch at the installed version, so it cannot move torch either.
+# peers extra (DeepSpeed, for `fullshard bench --modes deepspeed` and its test) and the ft
+# extra (torchft, for tests/test_torchft.py) are installed under a constraint that holds torch
+# at the installed version, so they cannot move torch either.
 .venv/bin/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" \
   > .venv/torch-constraint.txt
-.venv/bin/pip install -q -c .venv/torch-constraint.txt -e ".[dev,clients,peers]"
+.venv/bin/pip install -q -c .venv/torch-constraint.txt -e ".[dev,clients,ft,peers]"
