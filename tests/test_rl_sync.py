@@ -293,3 +293,22 @@ def test_tensor_parallel_weights_publish_whole() -> None:
     for what in ("rows", "deltas"):
         assert "weight '0.up.weight' is tensor parallel" in out[what], out
         assert "send_full / publish" in out[what]
+
+
+def test_deltas_come_to_the_host_in_one_packed_copy() -> None:
+    """The masks packed behind the counts (what a CUDA delta copies to the host at once) come
+    back equal, whatever their widths and sizes (each view needs an aligned start)."""
+    from fullshard.rl.delta import _packed_to_host
+
+    masks = [
+        torch.arange(7, dtype=torch.int16).view(7, 1),
+        torch.arange(3, dtype=torch.int32) - 5,
+        torch.tensor(9, dtype=torch.int64),
+        torch.arange(5, dtype=torch.uint8),
+        torch.arange(6, dtype=torch.int16).view(2, 3),
+    ]
+    counts = torch.stack([torch.count_nonzero(m) for m in masks])
+    changed, host = _packed_to_host(counts, masks)
+    assert changed == [6, 3, 1, 4, 5]
+    for got, want in zip(host, masks, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)

@@ -10,7 +10,9 @@ no rounding, whatever the optimizer did. In RL post-training with a small learni
 bf16 elements do not change from one step to the next, so the masks are mostly zero bytes;
 :func:`encode_xor` stores them as byte planes (all the elements' high bytes, then the next
 bytes: the sign and exponent bytes, zero far more often, are not interleaved with the busy
-mantissa bytes) and compresses them with zlib.
+mantissa bytes) and compresses them with zlib. That pays on a slow link (gloo over a network);
+on NCCL the masks travel raw (``send_deltas``'s ``compress``), since zlib on one CPU thread is
+slower than the link.
 """
 
 from __future__ import annotations
@@ -140,10 +142,17 @@ class ShardDeltas:
 def _to_host(
     counts: torch.Tensor, masks: list[torch.Tensor], with_masks: bool
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """``counts`` as ints and ``masks`` (in host memory if ``with_masks``): one device-to-host
-    copy. The masks are packed after the counts, each at a multiple of 8 bytes."""
+    """``counts`` as ints and ``masks`` (in host memory if ``with_masks``): one host read."""
     if not with_masks or all(m.device.type == "cpu" for m in masks):
         return counts.tolist(), masks
+    return _packed_to_host(counts, masks)
+
+
+def _packed_to_host(
+    counts: torch.Tensor, masks: list[torch.Tensor]
+) -> tuple[list[int], list[torch.Tensor]]:
+    """``counts`` and ``masks`` in one device-to-host copy: the masks packed after the counts
+    (int64), each at a multiple of 8 bytes so that it views as its own dtype."""
     device = counts.device
     parts, spans, at = [counts.view(torch.uint8)], [], counts.numel() * 8
     for m in masks:
