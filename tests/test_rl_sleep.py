@@ -93,7 +93,7 @@ def _train(shard_kwargs: dict[str, Any], sleepy: bool) -> dict[str, Any]:
         if sleepy and step == SLEEP_WITH_GRADS:
             reports.append(sleep(model, opt))
             problems += _asleep_checks(model, opt, offloaded)
-            hosts.append(root.sleep_host.data_ptr())  # type: ignore[union-attr]
+            hosts.append(root.sleep_host)
             reports.append(wake(model))
         opt.step()
         opt.zero_grad()
@@ -101,18 +101,19 @@ def _train(shard_kwargs: dict[str, Any], sleepy: bool) -> dict[str, Any]:
             with asleep(model, opt) as report:
                 reports.append(report)
                 problems += _asleep_checks(model, opt, offloaded)
-                hosts.append(root.sleep_host.data_ptr())  # type: ignore[union-attr]
+                hosts.append(root.sleep_host)
     params = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
     state = [t.detach().clone() for t in _opt_tensors(opt)]
     shard_bytes = sum(s.nbytes() for s in _storages(list(model.parameters())).values())
     opt_bytes = sum(s.nbytes() for s in _storages(_opt_tensors(opt)).values())
     if sleepy:  # a third cycle, then the buffer let go
         reports.append(sleep(model, opt))
-        hosts.append(root.sleep_host.data_ptr())  # type: ignore[union-attr]
+        hosts.append(root.sleep_host)
         wake(model, keep_host=False)
         hosts.append(root.sleep_host)
+    # each buffer referenced until here: a new one cannot take an old one's address
     return {
-        "hosts": hosts,
+        "hosts": [None if h is None else h.data_ptr() for h in hosts],
         "losses": losses,
         "params": params,
         "state": state,
