@@ -86,7 +86,7 @@ def backend_device(backend: str, bound: torch.device | None = None) -> torch.dev
         return torch.device("cpu")
     if bound is not None and bound.type == kind and bound.index is not None:
         return bound
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     if accelerator is not None and accelerator.type == kind:
         return torch.device(kind, torch.accelerator.current_device_index())
     return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0")))
