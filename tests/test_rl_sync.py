@@ -165,6 +165,9 @@ def test_the_wire_moves_tensors_on_its_backends_device(sync_ranks: list[dict[str
         assert [r.compressed for r in res["reports"][2:]] == [True, False, True], rank
     for i in range(5):  # a raw delta applies as bit for bit as a compressed one
         _assert_same(ranks[2]["stages"][i], ranks[0]["stages"][i], f"stage {i}")
+    for i in (1, 2, 3, 4):  # rows and deltas: each trainer sends its own half, none relays
+        sent = [ranks[r]["reports"][i].bytes_sent for r in (0, 1)]
+        assert min(sent) > 0.4 * sum(sent), (i, sent)
 
 
 @pytest.mark.parametrize(
