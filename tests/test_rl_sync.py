@@ -264,6 +264,7 @@ def test_weight_sync_bench_checks_the_receiver() -> None:
     assert rows["full_tensor"]["collective_calls"] == weights > 2
     assert rows["publish"]["collective_calls"] == 1  # both units in one bucket
     assert rows["rows"]["collective_calls"] == 0 and rows["delta"]["changed"] > 0
+    assert rows["delta_raw"]["changed"] > 0  # raw masks (NCCL's default), bit for bit too
     assert "| publish |" in table(result)
 
 
