@@ -7,9 +7,9 @@ each receiver a sequence of *messages*, the last one flagged; a message is two p
 sends: three int64s (header bytes, payload bytes, last), then one byte buffer holding a JSON
 header (per piece: name, kind ``"set"``, ``"xor"`` or ``"xor+zlib"``, dtype, shape, offsets,
 bytes) followed by the payload (raw tensor bytes, an XOR mask, or a compressed one). Both
-sends are tensors on the wire's device ([Note: the wire's device]). Pieces are cut to the receiver's rows
-when the receivers split rows ([Note: pieces and layouts] in ``fullshard.rl.receiver``), so a
-split receiver gets only what it keeps. :func:`receive` takes any of them: the receiver needs
+sends are tensors on the wire's device ([Note: the wire's device]). Pieces are cut to the
+receiver's rows when the receivers split rows ([Note: pieces and layouts] in
+``fullshard.rl.receiver``), so a split receiver gets only what it keeps. :func:`receive` takes any of them: the receiver needs
 to know only which ranks send.
 
 Three ways to send: :func:`send_full` (every training rank gathers with
