@@ -30,6 +30,7 @@ from fullshard.rl import (
 )
 from fullshard.rl import weights as publish_module
 from fullshard.rl.delta import bits, decode_xor
+from fullshard.rl.wire import wire_device
 from hf_local import tiny_llama
 
 VOCAB = 67
@@ -165,9 +166,42 @@ def _snapshot(receiver: WeightReceiver) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in receiver.weights.items()}
 
 
+class _WireSpy:
+    """Records the device of every tensor handed to ``dist.send`` / ``recv`` / ``irecv``."""
+
+    NAMES = ("send", "recv", "irecv")
+
+    def __init__(self) -> None:
+        self.devices: list[str] = []
+        self.real = {name: getattr(dist, name) for name in self.NAMES}
+
+    def __enter__(self) -> _WireSpy:
+        for name, real in self.real.items():
+
+            def spy(tensor: torch.Tensor, *args: Any, _real: Any = real, **kw: Any) -> Any:
+                self.devices.append(str(tensor.device))
+                return _real(tensor, *args, **kw)
+
+            setattr(dist, name, spy)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for name, real in self.real.items():
+            setattr(dist, name, real)
+
+
 def sync_world() -> dict[str, Any]:
     """Training ranks 0-1 (their own mesh) and an inference rank 2 holding a bf16 HF Llama:
-    full, rows, then three steps of deltas; each stage's weights returned for the parent."""
+    full, rows, then three steps of deltas (the second uncompressed); each stage's weights,
+    the wire's device and the devices of the tensors handed to the wire returned."""
+    with _WireSpy() as spy:
+        out = _sync_world()
+    out["wire_device"], out["wire_tensors"] = str(wire_device()), sorted(set(spy.devices))
+    out["wire_calls"] = len(spy.devices)
+    return out
+
+
+def _sync_world() -> dict[str, Any]:
     rank = dist.get_rank()
     trainers = dist.new_group([0, 1])
     to = Receivers(ranks=(2,))
@@ -190,7 +224,8 @@ def sync_world() -> dict[str, Any]:
     deltas = ShardDeltas(model, dtype=torch.bfloat16)
     for step in range(3):
         train(model, opt, 1, seed=10 + step)
-        out["reports"].append(send_deltas(deltas, to))
+        compress = False if step == 1 else None  # None: the backend's default (gloo: on)
+        out["reports"].append(send_deltas(deltas, to, compress=compress))
         out["stages"].append(full_weights(model, torch.bfloat16))
     return out
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, count_collectives
 from fullshard.api import _all_states
+from fullshard.engine.hooks import states_under
 from fullshard.rl import asleep, gathered_for_rollout, is_asleep, sleep, wake
 from fullshard.testing import run_distributed
 from parity import GLOBAL_BATCH, batch, loss_fn, make_net, make_optimizer, shard_net
@@ -85,12 +86,14 @@ def _train(shard_kwargs: dict[str, Any], sleepy: bool) -> dict[str, Any]:
     model = shard_net(make_net(), **shard_kwargs)
     opt = make_optimizer(model)
     offloaded = isinstance(shard_kwargs.get("offload_policy"), CPUOffloadPolicy)
-    losses, reports, problems = [], [], []
+    losses, reports, problems, hosts = [], [], [], []
+    root = states_under([model])[0]
     for step in range(STEPS):
         losses.append(_forward_backward(model, step))
         if sleepy and step == SLEEP_WITH_GRADS:
             reports.append(sleep(model, opt))
             problems += _asleep_checks(model, opt, offloaded)
+            hosts.append(root.sleep_host)
             reports.append(wake(model))
         opt.step()
         opt.zero_grad()
@@ -98,11 +101,19 @@ def _train(shard_kwargs: dict[str, Any], sleepy: bool) -> dict[str, Any]:
             with asleep(model, opt) as report:
                 reports.append(report)
                 problems += _asleep_checks(model, opt, offloaded)
+                hosts.append(root.sleep_host)
     params = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
     state = [t.detach().clone() for t in _opt_tensors(opt)]
     shard_bytes = sum(s.nbytes() for s in _storages(list(model.parameters())).values())
     opt_bytes = sum(s.nbytes() for s in _storages(_opt_tensors(opt)).values())
+    if sleepy:  # a third cycle, then the buffer let go
+        reports.append(sleep(model, opt))
+        hosts.append(root.sleep_host)
+        wake(model, keep_host=False)
+        hosts.append(root.sleep_host)
+    # each buffer referenced until here: a new one cannot take an old one's address
     return {
+        "hosts": [None if h is None else h.data_ptr() for h in hosts],
         "losses": losses,
         "params": params,
         "state": state,
@@ -253,6 +264,15 @@ def _check_case(r: dict[str, Any], offloaded: bool) -> None:
         assert with_grads.device_bytes_after == 0
         assert woke.device_bytes_after == with_grads.moved_bytes
     assert "moved" in str(with_grads)
+    # one host buffer per model: the first sleep (with gradients, the largest) allocates it,
+    # the later ones reuse it; wake(keep_host=False) lets it go
+    first, second, third, released = r["hosts"]
+    assert first == second == third and released is None, r["hosts"]
+    assert [rep.host_reused for rep in r["reports"] if rep.action == "sleep"] == [
+        False,
+        True,
+        True,
+    ]
 
 
 def test_sleep_refused_mid_step_and_misuse(two: dict[str, Any]) -> None:

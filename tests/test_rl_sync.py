@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from fullshard.rl import (
     DeltaRows,
@@ -17,6 +18,7 @@ from fullshard.rl import (
     encode_xor,
 )
 from fullshard.rl.delta import bits
+from fullshard.rl.wire import backend_device
 from fullshard.testing import run_distributed
 
 pytest.importorskip("transformers")
@@ -121,10 +123,18 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
     assert not bad, f"{what}: {bad[:4]} differ"
 
 
-def test_receiver_rank_gets_full_rows_and_deltas_bit_exact() -> None:
+@pytest.fixture(scope="module")
+def sync_ranks() -> list[dict[str, Any]]:
+    """Trainers 0-1 and receiver 2 (``rl_sync_cases.sync_world``), one spawn for both tests."""
     from rl_sync_cases import sync_world
 
-    trainer0, trainer1, receiver = run_distributed(sync_world, 3, timeout=240)
+    return run_distributed(sync_world, 3, timeout=240)
+
+
+def test_receiver_rank_gets_full_rows_and_deltas_bit_exact(
+    sync_ranks: list[dict[str, Any]],
+) -> None:
+    trainer0, trainer1, receiver = sync_ranks
     stages = ("full", "rows", "delta 1", "delta 2", "delta 3")
     for i, what in enumerate(stages):
         _assert_same(receiver["stages"][i], trainer0["stages"][i], what)
@@ -139,9 +149,107 @@ def test_receiver_rank_gets_full_rows_and_deltas_bit_exact() -> None:
     deltas = [
         trainer0["reports"][i].bytes_sent + trainer1["reports"][i].bytes_sent for i in (2, 3, 4)
     ]
-    assert all(d < rows for d in deltas), (deltas, rows)
+    assert deltas[0] < rows and deltas[2] < rows, (deltas, rows)  # compressed ones
     assert receiver["reports"][1].bytes_received == rows
     assert all(trainer0["reports"][i].changed > 0 for i in (2, 3, 4))
+
+
+def test_the_wire_moves_tensors_on_its_backends_device(sync_ranks: list[dict[str, Any]]) -> None:
+    """Every tensor handed to send / recv / irecv is on the wire's device (gloo: the CPU), in
+    every stage of the 3-rank sync; deltas are compressed by default on gloo, and sent raw
+    when asked (bit for bit all the same: the stages of the test above)."""
+    ranks = sync_ranks
+    for rank, res in enumerate(ranks):
+        assert res["wire_device"] == "cpu" and res["wire_tensors"] == ["cpu"], (rank, res)
+        assert res["wire_calls"] > 0 and {r.device for r in res["reports"] if r.messages} == {"cpu"}
+        assert [r.compressed for r in res["reports"][2:]] == [True, False, True], rank
+    for i in range(5):  # a raw delta applies as bit for bit as a compressed one
+        _assert_same(ranks[2]["stages"][i], ranks[0]["stages"][i], f"stage {i}")
+    for i in (1, 2, 3, 4):  # rows and deltas: each trainer sends its own half, none relays
+        sent = [ranks[r]["reports"][i].bytes_sent for r in (0, 1)]
+        assert min(sent) > 0.4 * sum(sent), (i, sent)
+
+
+@pytest.mark.parametrize(
+    ("backend", "want"),
+    [
+        ("gloo", "cpu"),
+        ("cpu:gloo,cuda:gloo", "cpu"),  # gloo's configuration: CUDA staged through the host
+        ("nccl", "cuda:1"),
+        ("cuda:nccl", "cuda:1"),
+        ("cpu:gloo,cuda:nccl", "cuda:1"),  # the accelerator's backend carries the weights
+        ("xccl", "xpu:1"),
+    ],
+)
+def test_backend_device(monkeypatch: pytest.MonkeyPatch, backend: str, want: str) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")  # no accelerator here: LOCAL_RANK picks the index
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+    assert backend_device(backend) == torch.device(want)
+    if want != "cpu":  # the group's bound device_id, then the current device, win
+        kind = torch.device(want).type
+        assert backend_device(backend, torch.device(kind, 3)) == torch.device(kind, 3)
+        monkeypatch.setattr(
+            torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(kind)
+        )
+        monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 2)
+        assert backend_device(backend) == torch.device(kind, 2)
+
+
+def test_backend_device_refuses_an_unknown_backend() -> None:
+    with pytest.raises(ValueError, match=r"backend 'smoke'.*init the world with 'nccl' or 'gloo'"):
+        backend_device("cpu:smoke")
+
+
+def test_the_wire_allocates_on_the_device_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seam standing for NCCL on a CPU machine: with the wire's device set to ``meta`` (any
+    device but the CPU), every tensor send_rows and send_deltas hand to ``dist.send`` lives
+    there, and deltas go uncompressed (an accelerator's link: no zlib by default)."""
+    from fullshard.rl import ShardDeltas, send_deltas, send_rows, wire
+
+    sent: list[torch.device] = []
+    monkeypatch.setattr(wire, "wire_device", lambda group=None: torch.device("meta"))
+    monkeypatch.setattr(torch.distributed, "send", lambda t, *a, **k: sent.append(t.device))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))
+    to = Receivers(ranks=(1,))
+    rows = send_rows(model, to, dtype=torch.bfloat16)
+    deltas = ShardDeltas(model, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    report = send_deltas(deltas, to)
+    assert rows.device == report.device == "meta" and report.changed == 24
+    assert not report.compressed
+    assert len(sent) == 4 and set(sent) == {torch.device("meta")}, sent
+
+
+class _HostSyncs(TorchFunctionMode):
+    """Counts the calls that read a tensor's values on the host (a device sync on CUDA)."""
+
+    SYNCS = frozenset({"__int__", "__float__", "__bool__", "item", "tolist", "cpu", "numpy"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in self.SYNCS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("to_host", [False, True])
+def test_shard_deltas_sync_the_host_once(to_host: bool) -> None:
+    """One host read per delta, however many weights (it was one per weight), exact counts."""
+    from fullshard.rl import ShardDeltas
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(5, 5) for _ in range(4)))  # 8 weights
+    deltas = ShardDeltas(model, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model[1].weight[2].add_(1.0)
+    with _HostSyncs() as syncs:
+        ds = deltas.delta(to_host=to_host)
+    assert syncs.calls == ["tolist"], syncs.calls
+    assert [d.changed for d in ds] == [0, 0, 5, 0, 0, 0, 0, 0]
+    assert all(d.mask.dtype == torch.int16 and d.mask.shape == d.shape for d in ds)
 
 
 def test_weight_sync_bench_checks_the_receiver() -> None:
@@ -156,6 +264,7 @@ def test_weight_sync_bench_checks_the_receiver() -> None:
     assert rows["full_tensor"]["collective_calls"] == weights > 2
     assert rows["publish"]["collective_calls"] == 1  # both units in one bucket
     assert rows["rows"]["collective_calls"] == 0 and rows["delta"]["changed"] > 0
+    assert rows["delta_raw"]["changed"] > 0  # raw masks (NCCL's default), bit for bit too
     assert "| publish |" in table(result)
 
 
@@ -188,3 +297,22 @@ def test_tensor_parallel_weights_publish_whole() -> None:
     for what in ("rows", "deltas"):
         assert "weight '0.up.weight' is tensor parallel" in out[what], out
         assert "send_full / publish" in out[what]
+
+
+def test_deltas_come_to_the_host_in_one_packed_copy() -> None:
+    """The masks packed behind the counts (what a CUDA delta copies to the host at once) come
+    back equal, whatever their widths and sizes (each view needs an aligned start)."""
+    from fullshard.rl.delta import _packed_to_host
+
+    masks = [
+        torch.arange(7, dtype=torch.int16).view(7, 1),
+        torch.arange(3, dtype=torch.int32) - 5,
+        torch.tensor(9, dtype=torch.int64),
+        torch.arange(5, dtype=torch.uint8),
+        torch.arange(6, dtype=torch.int16).view(2, 3),
+    ]
+    counts = torch.stack([torch.count_nonzero(m) for m in masks])
+    changed, host = _packed_to_host(counts, masks)
+    assert changed == [6, 3, 1, 4, 5]
+    for got, want in zip(host, masks, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)

@@ -3,7 +3,7 @@
 The GPT of ``fullshard.models`` is fully sharded (each block a unit, the root the rest) on
 training ranks ``0..N-1`` and trained with AdamW; rank ``N`` holds an inference copy in the
 wire dtype (bf16 by default) as a :class:`fullshard.rl.WeightReceiver`. Each repeat trains one
-step, then syncs the weights four ways, each timed from a barrier of all ranks to the barrier
+step, then syncs the weights five ways, each timed from a barrier of all ranks to the barrier
 after the receiver has applied everything:
 
 - ``full_tensor``: what RL frameworks do today: per weight ``DTensor.full_tensor()`` in the
@@ -12,7 +12,9 @@ after the receiver has applied everything:
   before the gather, the next bucket in flight; rank 0 sends a message per bucket);
 - ``rows``: :func:`fullshard.rl.send_rows` (every rank sends its own rows: no gather);
 - ``delta``: after one more optimizer step, :func:`fullshard.rl.send_deltas` (each rank's
-  compressed XOR masks of what changed since the ``rows`` sync).
+  compressed XOR masks of what changed since the ``rows`` sync; compressed: gloo's default);
+- ``delta_raw``: the same after one more step, ``compress=False`` (NCCL's default: the masks
+  as they are, no zlib).
 
 Before each of the first three the receiver's weights are zeroed, so each sync writes them all.
 After each, the receiver's weights are checked against the trainers' ``full_tensor()`` cast to
@@ -30,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,7 +58,7 @@ from fullshard.testing import run_distributed
 
 __all__ = ["METHODS", "WeightSyncConfig", "main", "run", "table"]
 
-METHODS = ("full_tensor", "publish", "rows", "delta")
+METHODS = ("full_tensor", "publish", "rows", "delta", "delta_raw")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +141,11 @@ def _trainer(cfg: WeightSyncConfig, group: dist.ProcessGroup) -> dict[str, Any]:
     for r in range(cfg.repeats):
         _train_step(model, opt, vocab, seed=2 * r)
         for method in METHODS:
-            if method == "delta":
-                deltas.reset()  # the receiver holds the rows sync's weights
+            if method.startswith("delta"):
+                deltas.reset()  # the receiver holds the previous sync's weights
                 _train_step(model, opt, vocab, seed=2 * r + 1)
-                seconds, report = _timed(lambda: send_deltas(deltas, to))
+                sync = partial(send_deltas, deltas, to, compress=method == "delta")
+                seconds, report = _timed(sync)
             else:
                 seconds, report = _timed(senders[method])
             oracle = [(n, p.full_tensor().to(dtype)) for n, p in named_weights(model)]  # type: ignore[attr-defined]
@@ -157,7 +161,7 @@ def _receiver(cfg: WeightSyncConfig) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     for _ in range(cfg.repeats):
         for method in METHODS:
-            if method != "delta":
+            if not method.startswith("delta"):
                 for t in receiver.weights.values():
                     t.zero_()
             if method == "full_tensor":
@@ -226,7 +230,7 @@ def table(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        changed = f"{r['changed']:,}" if r["method"] == "delta" else "-"
+        changed = f"{r['changed']:,}" if r["method"].startswith("delta") else "-"
         lines.append(
             f"| {r['method']} | {r['seconds']:.4f} | {r['bytes_to_receiver'] / mib:.2f} | "
             f"{r['gather_bytes'] / mib:.2f} | {r['collective_calls']} | {r['messages']} | "

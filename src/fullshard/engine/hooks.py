@@ -98,6 +98,9 @@ class FSDPState:
         # [Note: parameters read after the unit's last gradient]
         self.nests_units = False  # other units run inside this one's forward (set by lazy init)
         self._input_grads_pending = 0  # this step's input-gradient hooks not fired yet
+        # root: fullshard.rl.sleep's host buffer, kept for the next sleep ([Note: one host
+        # buffer per model] in fullshard.rl.sleep)
+        self.sleep_host: torch.Tensor | None = None
 
     @property
     def name(self) -> str:

@@ -9,7 +9,8 @@
 - :class:`WeightReceiver`: an inference rank's weights in its own layout (full, or a row
   split), updated in place from full tensors, rows or deltas.
 - :func:`send_full` / :func:`send_rows` / :func:`send_deltas` and :func:`receive`: those moved
-  over ``torch.distributed`` point-to-point messages between training and inference ranks.
+  over ``torch.distributed`` point-to-point messages between training and inference ranks, as
+  tensors on the backend's device (:func:`wire_device`: CUDA under NCCL, the CPU under gloo).
 - :func:`sleep` / :func:`wake` / :func:`asleep` (``fullshard.rl.sleep``): parameters, gradients,
   optimizer state and buffers to host memory and back, bit for bit, in the same tensors;
 - :func:`gathered_for_rollout` (``fullshard.rl.rollout``): a ``generate()`` loop gathers each
@@ -26,7 +27,16 @@ from .receiver import WeightReceiver
 from .rollout import gathered_for_rollout
 from .sleep import SleepReport, asleep, is_asleep, sleep, wake
 from .weights import DEFAULT_BUCKET_BYTES, ShardRows, publish, shard_rows
-from .wire import Receivers, SyncReport, receive, send_deltas, send_full, send_rows
+from .wire import (
+    Receivers,
+    SyncReport,
+    backend_device,
+    receive,
+    send_deltas,
+    send_full,
+    send_rows,
+    wire_device,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -38,6 +48,7 @@ __all__ = [
     "SyncReport",
     "WeightReceiver",
     "asleep",
+    "backend_device",
     "checkpoint_name",
     "decode_xor",
     "encode_xor",
@@ -52,4 +63,5 @@ __all__ = [
     "shard_rows",
     "sleep",
     "wake",
+    "wire_device",
 ]

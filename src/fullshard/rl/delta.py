@@ -10,7 +10,9 @@ no rounding, whatever the optimizer did. In RL post-training with a small learni
 bf16 elements do not change from one step to the next, so the masks are mostly zero bytes;
 :func:`encode_xor` stores them as byte planes (all the elements' high bytes, then the next
 bytes: the sign and exponent bytes, zero far more often, are not interleaved with the busy
-mantissa bytes) and compresses them with zlib.
+mantissa bytes) and compresses them with zlib. That pays on a slow link (gloo over a network);
+on NCCL the masks travel raw (``send_deltas``'s ``compress``), since zlib on one CPU thread is
+slower than the link.
 """
 
 from __future__ import annotations
@@ -108,9 +110,13 @@ class ShardDeltas:
         """The rows this rank sends ([Note: one sender per piece] in ``fullshard.rl.names``)."""
         return [r for r in shard_rows(self.model, dtype=self.dtype) if r.primary]
 
-    def delta(self) -> list[DeltaRows]:
-        """This rank's XOR masks since the base, one per weight; the weights become the base."""
-        out: list[DeltaRows] = []
+    def delta(self, *, to_host: bool = False) -> list[DeltaRows]:
+        """This rank's XOR masks since the base, one per weight; the weights become the base.
+
+        One host sync in all (the changed-element counts of every weight come back together),
+        none per weight. ``to_host``: the masks come back in host memory, in the same copy as
+        the counts (for compressing them); else they stay on the weights' device."""
+        rows, masks, counts = [], [], []
         for r in self._rows():
             base = self._base.get(r.name)
             new = bits(r.local)
@@ -121,6 +127,44 @@ class ShardDeltas:
                 )
             mask = torch.bitwise_xor(new, base)
             base.copy_(new)
-            changed = int(torch.count_nonzero(mask))
-            out.append(DeltaRows(r.name, r.shape, r.dtype, r.dim, r.start, r.stop, mask, changed))
-        return out
+            rows.append(r)
+            masks.append(mask)
+            counts.append(torch.count_nonzero(mask))
+        if not rows:
+            return []
+        changed, masks = _to_host(torch.stack(counts), masks, to_host)
+        return [
+            DeltaRows(r.name, r.shape, r.dtype, r.dim, r.start, r.stop, mask, n)
+            for r, mask, n in zip(rows, masks, changed, strict=True)
+        ]
+
+
+def _to_host(
+    counts: torch.Tensor, masks: list[torch.Tensor], with_masks: bool
+) -> tuple[list[int], list[torch.Tensor]]:
+    """``counts`` as ints and ``masks`` (in host memory if ``with_masks``): one host read."""
+    if not with_masks or all(m.device.type == "cpu" for m in masks):
+        return counts.tolist(), masks
+    return _packed_to_host(counts, masks)
+
+
+def _packed_to_host(
+    counts: torch.Tensor, masks: list[torch.Tensor]
+) -> tuple[list[int], list[torch.Tensor]]:
+    """``counts`` and ``masks`` in one device-to-host copy: the masks packed after the counts
+    (int64), each at a multiple of 8 bytes so that it views as its own dtype."""
+    device = counts.device
+    parts, spans, at = [counts.view(torch.uint8)], [], counts.numel() * 8
+    for m in masks:
+        n = m.numel() * m.element_size()
+        parts.append(m.reshape(-1).view(torch.uint8).to(device))
+        pad = -n % 8
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        spans.append((at, n))
+        at += n + pad
+    host = torch.cat(parts).cpu()
+    out = [
+        host[a : a + n].view(m.dtype).view(m.shape) for (a, n), m in zip(spans, masks, strict=True)
+    ]
+    return host[: counts.numel() * 8].view(torch.int64).tolist(), out

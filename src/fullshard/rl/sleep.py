@@ -19,7 +19,8 @@ Nothing is re-created: every tensor keeps its identity (the optimizer's state di
 ``DTensor`` parameters, gradients and the engine's own references stay valid) because what
 moves is each tensor's *storage*. For each distinct storage on the compute device, its bytes
 are copied into one host buffer (pinned when CUDA is available; on a CPU run a separate
-allocation, so the code path is the one CUDA runs) and the storage is resized to 0 bytes —
+allocation, so the code path is the one CUDA runs; see [Note: one host buffer per model]) and
+the storage is resized to 0 bytes —
 the same ``resize_`` the engine uses to free unsharded parameters ([Note: why storage is
 resized, not freed] in ``fullshard.engine.gather``). Waking resizes each storage back and
 copies its bytes in, so the values are bit-exact and version counters are untouched. Views
@@ -28,6 +29,13 @@ weights) move once. The engine's own device memory holds nothing that cannot be 
 units are resharded, pooled buffers dropped, and a unit's kept unsharded buffer
 (``set_keep_unsharded_storage``) is freed and given its size back on wake (its next gather
 fills it).
+
+[Note: one host buffer per model]
+Pinning gigabytes of host memory takes seconds, longer than the copies, so the host buffer is
+allocated once and kept: the model's root unit state holds it (``FSDPState.sleep_host``) from
+the first :func:`sleep` on, and every later sleep whose bytes fit reuses it (the report's
+``host_reused``); a larger one replaces it. ``wake(model, keep_host=False)`` lets it go. The
+cost is the host memory of one sleep kept while awake, which the next sleep needs anyway.
 
 Under CPU offload a unit's shards, gradients and optimizer state already live in host memory:
 sleep leaves them where they are (reported as ``on_host``) and moves only what is on the
@@ -84,6 +92,8 @@ class SleepReport:
     allocated_after: int | None = None
     seconds: float = 0.0
     kept: int = 0  # bytes on the device that could not be freed (a non-resizable storage)
+    # the host buffer of an earlier sleep held these bytes ([Note: one host buffer per model])
+    host_reused: bool = False
 
     @property
     def moved_bytes(self) -> int:
@@ -119,7 +129,7 @@ class _Sleeping:
     """What a sleeping model holds until :func:`wake`."""
 
     device: torch.device
-    host: torch.Tensor  # 1-D uint8, every moved storage back to back
+    host: torch.Tensor  # 1-D uint8, every moved storage back to back (a prefix of the buffer)
     moved: list[_Moved]
     freed: list[tuple[torch.UntypedStorage, int]]  # engine buffers: given their size back
     kinds: dict[str, int]
@@ -168,7 +178,13 @@ def sleep(
     _collect(plan, model, states, optimizer, params)
     freed = _engine_buffers(states)
     before = plan.device_bytes() + sum(n for _, n in freed)
-    asleep_ = plan.copy_out()
+    root = states[0]
+    reused = root.sleep_host is not None and root.sleep_host.numel() >= plan.host_bytes()
+    if not reused:
+        root.sleep_host = None  # the old buffer goes before the new one is pinned
+        root.sleep_host = _host_buffer(plan.host_bytes())
+    assert root.sleep_host is not None
+    asleep_ = plan.copy_out(root.sleep_host)
     for storage, _ in freed:
         storage.resize_(0)
     asleep_.freed = freed
@@ -189,11 +205,15 @@ def sleep(
         _allocated(device),
         time.perf_counter() - start,
         plan.kept,
+        reused,
     )
 
 
-def wake(model: nn.Module) -> SleepReport:
-    """Bring back everything :func:`sleep` moved, bit for bit, into the same tensors."""
+def wake(model: nn.Module, *, keep_host: bool = True) -> SleepReport:
+    """Bring back everything :func:`sleep` moved, bit for bit, into the same tensors.
+
+    ``keep_host``: keep the host buffer for the next sleep ([Note: one host buffer per
+    model]); ``False`` frees it."""
     asleep_ = _ASLEEP.pop(model, None)
     if asleep_ is None:
         raise RuntimeError(
@@ -216,6 +236,8 @@ def wake(model: nn.Module) -> SleepReport:
         )
     for storage, nbytes in asleep_.freed:
         storage.resize_(nbytes)
+    if not keep_host:
+        states_under([model])[0].sleep_host = None
     total = sum(m.nbytes for m in asleep_.moved)
     return SleepReport(
         "wake",
@@ -355,11 +377,15 @@ class _Plan:
     def device_bytes(self) -> int:
         return sum(s.nbytes() for s in self.storages) + self.kept
 
-    def copy_out(self) -> _Sleeping:
-        """Copy every storage into one host buffer, then free the device storages."""
-        total = sum(s.nbytes() for s in self.storages)
-        pin = torch.cuda.is_available()  # pinned memory only exists with an accelerator
-        host = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    def host_bytes(self) -> int:
+        """Bytes the host buffer needs."""
+        return sum(s.nbytes() for s in self.storages)
+
+    def copy_out(self, buffer: torch.Tensor) -> _Sleeping:
+        """Copy every storage into ``buffer`` (1-D uint8 host memory, at least
+        :meth:`host_bytes`), then free the device storages."""
+        host = buffer[: self.host_bytes()]
+        pin = host.is_pinned()
         moved, offset = [], 0
         last = len(self.storages) - 1
         for i, storage in enumerate(self.storages):
@@ -405,6 +431,13 @@ def _collect(
                 plan.add("grads", p.grad)
         for b in model.buffers():
             plan.add("buffers", b)
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 host buffer of ``nbytes``, pinned when CUDA is available (pinned memory only
+    exists with an accelerator)."""
+    pin = torch.cuda.is_available()
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
