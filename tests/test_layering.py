@@ -128,6 +128,14 @@ def _module_name(path: Path) -> tuple[str, bool]:
     return ".".join(parts[:-1] if is_package else parts), is_package
 
 
+def _is_submodule(package: str, name: str) -> bool:
+    """Whether ``package.name`` is a module of this source tree (``from . import hooks``)."""
+    if not package.startswith("fullshard"):
+        return False
+    base = PACKAGE.parent.joinpath(*package.split("."))
+    return (base / f"{name}.py").exists() or (base / name / "__init__.py").exists()
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) for every import in ``path``; ``from a import b`` gives both
     ``a`` and ``a.b`` (``b`` may be a submodule, e.g. ``from fullshard import checkpoint``)."""
@@ -143,8 +151,10 @@ def _imports(path: Path) -> list[tuple[int, str]]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            out.append((node.lineno, module))
-            out += [(node.lineno, f"{module}.{a.name}") for a in node.names if a.name != "*"]
+            names = [a.name for a in node.names if a.name != "*"]
+            if not names or not all(_is_submodule(module, n) for n in names):
+                out.append((node.lineno, module))  # not only ``from package import submodule``
+            out += [(node.lineno, f"{module}.{n}") for n in names]
     return out
 
 
@@ -176,6 +186,56 @@ def test_imports_point_one_way() -> None:
         "imports against the layering (engine <- checkpoint/memory/models/peers <- train/bench; "
         "see MAY_IMPORT in tests/test_layering.py):\n  " + "\n  ".join(sorted(set(bad)))
     )
+
+
+ENGINE_SUBMODULES = {p.stem for p in (PACKAGE / "engine").glob("*.py") if p.stem != "__init__"} | {
+    p.name for p in (PACKAGE / "engine").iterdir() if (p / "__init__.py").exists()
+}
+
+
+def _engine_submodules_named(path: Path) -> list[str]:
+    """Where ``path`` imports an engine submodule by name: ``from ..engine.hooks import X``,
+    ``import fullshard.engine.hooks``, ``from ..engine import hooks`` (what the AST gives as
+    ``fullshard.engine.<submodule>``, the door's own names excluded)."""
+    return [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+        for line, target in _imports(path)
+        if target.startswith("fullshard.engine.") and target.split(".")[2] in ENGINE_SUBMODULES
+    ]
+
+
+def test_the_engine_is_entered_through_its_door() -> None:
+    """Other packages import the engine's names from ``fullshard.engine`` (its ``__init__``,
+    the door), never a submodule: what lies behind the door can change without rippling out."""
+    assert {"hooks", "group", "collectives", "compat"} <= ENGINE_SUBMODULES
+    bad = [
+        hit
+        for path in _sources()
+        if "engine" not in path.relative_to(PACKAGE).parts[:1]
+        for hit in _engine_submodules_named(path)
+    ]
+    assert not bad, (
+        "import the engine's names from fullshard.engine (add a name to "
+        "src/fullshard/engine/__init__.py if it is missing):\n  " + "\n  ".join(bad)
+    )
+
+
+def test_the_door_check_sees_each_form(tmp_path: Path) -> None:
+    rel = PACKAGE / "rl" / "probe_door.py"
+    forms = {
+        "from ..engine.hooks import FSDPState": True,
+        "import fullshard.engine.group": True,
+        "from ..engine import hooks": True,
+        "from fullshard.engine.collectives import count_collectives": True,
+        "from ..engine import FSDPState, count_collectives": False,
+        "from fullshard.engine import STATE_ATTR": False,
+    }
+    for source, refused in forms.items():
+        rel.write_text(source + "\n")
+        try:
+            assert bool(_engine_submodules_named(rel)) is refused, source
+        finally:
+            rel.unlink()
 
 
 def test_the_library_never_imports_torch_fsdp2s_engine() -> None:

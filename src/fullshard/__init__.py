@@ -27,8 +27,14 @@ if TYPE_CHECKING:
         share_comm_ctx,
     )
     from .clip import clip_grad_norm_
-    from .engine.collectives import CollectiveStats, count_collectives
-    from .engine.policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    from .engine import (
+        CollectiveStats,
+        CommPolicy,
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        count_collectives,
+    )
     from .fsdp1 import FSDP, FullyShardedDataParallel
     from .module import FullyShardError, GradientReductionHandle
     from .patch import TorchFSDPPatch, patch_torch_fsdp
@@ -45,12 +51,12 @@ _LAZY = {
     "TorchFSDPPatch": "patch",
     "patch_torch_fsdp": "patch",
     "clip_grad_norm_": "clip",
-    "CollectiveStats": "engine.collectives",
-    "count_collectives": "engine.collectives",
-    "CommPolicy": "engine.policies",
-    "CPUOffloadPolicy": "engine.policies",
-    "MixedPrecisionPolicy": "engine.policies",
-    "OffloadPolicy": "engine.policies",
+    "CollectiveStats": "engine",
+    "count_collectives": "engine",
+    "CommPolicy": "engine",
+    "CPUOffloadPolicy": "engine",
+    "MixedPrecisionPolicy": "engine",
+    "OffloadPolicy": "engine",
     "FSDP": "fsdp1",
     "FullyShardedDataParallel": "fsdp1",
 }

@@ -27,19 +27,28 @@ from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from .engine.compat import (
+from .engine import (
     DP_MESH_DIMS,
     SHARE_COMM_CTX,
+    STATE_ATTR,
+    CommPolicy,
+    CommStreams,
+    CPUOffloadPolicy,
     DataParallelMeshDims,
+    FSDPState,
+    MeshInfo,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ParamGroup,
+    check_reshard_after_forward,
     check_supported,
+    claim_params,
+    default_mesh,
+    mesh_info,
+    mesh_info_from_dims,
     require,
+    states_under,
 )
-from .engine.group import ParamGroup
-from .engine.hooks import STATE_ATTR, FSDPState, states_under
-from .engine.init import check_reshard_after_forward, claim_params
-from .engine.mesh import MeshInfo, default_mesh, mesh_info, mesh_info_from_dims
-from .engine.policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .engine.streams import CommStreams
 from .module import (
     FSDPModule,
     FullyShardError,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .engine import collectives as C
+from .engine import all_reduce
 
 __all__ = ["clip_grad_norm_"]
 
@@ -67,7 +67,7 @@ def clip_grad_norm_(
     total = torch.zeros((), device=device)
     for key, value in partial.items():
         for pg in groups[key]:
-            C.all_reduce(value, pg, op=op, async_op=False)
+            all_reduce(value, pg, op=op, async_op=False)
         total = torch.maximum(total, value) if math.isinf(p) else total + value
     norm = total if math.isinf(p) else total ** (1.0 / p)
     if not torch.isfinite(norm):

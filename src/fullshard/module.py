@@ -22,25 +22,25 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from .engine.compat import require_method
-from .engine.errors import FullyShardError
-from .engine.finalize import (
-    GradientReductionHandle,
-    finalize_backward,
-    set_manual_backward_finalization,
-)
-from .engine.group import ParamGroup
-from .engine.hooks import STATE_ATTR, FSDPState, states_under
-from .engine.init import check_reshard_after_forward
-from .engine.overrides import (
+from .engine import (
+    STATE_ATTR,
     AllGatherComm,
     BackendAllGather,
     BackendReduceScatter,
     BufferSource,
+    FSDPState,
+    FullyShardError,
+    GradientReductionHandle,
+    ParamGroup,
     ReduceScatterComm,
+    check_reshard_after_forward,
+    finalize_backward,
+    require_method,
     separate_reduce_scatter_groups,
+    set_manual_backward_finalization,
+    states_under,
+    user_stream,
 )
-from .engine.streams import user_stream
 from .torch_state import fully_shard_state
 
 __all__ = [

@@ -43,10 +43,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .engine.context import StepContext
-from .engine.hooks import STATE_ATTR, FSDPState
-from .engine.param import ShardedParam
-from .engine.state import TrainingState
+from .engine import STATE_ATTR, FSDPState, ShardedParam, StepContext, TrainingState
 
 __all__ = [
     "PostForwardMeshInfo",

@@ -82,7 +82,7 @@ def wrap(model: GPT, mode: str, reshard_after_forward: bool, transport: str = "a
         fully_shard = load_fully_shard(mode)
         kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
         if mode == "fullshard":
-            from fullshard.engine.policies import CommPolicy
+            from fullshard.engine import CommPolicy
 
             kw["comm_policy"] = CommPolicy(transport=transport)
         for block in model.blocks:

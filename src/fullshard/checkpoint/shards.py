@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..engine.compat import root_mesh
+from ..engine import root_mesh
 from .manifest import CheckpointError
 
 __all__ = [

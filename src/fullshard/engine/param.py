@@ -66,7 +66,7 @@ from .errors import FullyShardError
 from .mesh import MeshInfo
 from .streamcheck import freed
 
-__all__ = ["ShardedParam"]
+__all__ = ["ShardedParam", "dtensor_like"]
 
 
 def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -517,7 +517,7 @@ class ShardedParam:
             # The gradient has the parameter's mesh, placements, shape, stride and dtype: reuse
             # its spec instead of ``DTensor.from_local`` (an autograd Function and a new spec
             # per gradient per step were a third of a small unit's step time).
-            self.sharded_param.grad = _dtensor_like(local_grad, self.sharded_param)
+            self.sharded_param.grad = dtensor_like(local_grad, self.sharded_param)
         else:
             assert isinstance(grad, DTensor)
             grad._local_tensor.add_(local_grad.to(grad._local_tensor.device))
@@ -543,7 +543,7 @@ def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _dtensor_like(local: torch.Tensor, like: torch.Tensor) -> DTensor:
+def dtensor_like(local: torch.Tensor, like: torch.Tensor) -> DTensor:
     """A DTensor with ``like``'s spec around ``local`` (no autograd, no checks)."""
     assert isinstance(like, DTensor)
     # DTensor.__init__ is a no-op behind a dynamo guard; __new__ alone builds the tensor.

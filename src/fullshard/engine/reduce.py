@@ -59,7 +59,7 @@ from . import collectives as C
 from .events import emit
 from .labels import labelled
 from .overrides import CommOverrides, allocate
-from .param import ShardedParam, _dtensor_like
+from .param import ShardedParam, dtensor_like
 from .streams import CommStreams, current_stream, on_stream
 from .unit import CommUnit
 
@@ -493,7 +493,7 @@ def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]
                 grad.div_(factor)  # autograd's accumulated tensor: nobody else holds it
             param = sp.sharded_param
             if param.grad is None:  # the shard's gradient is this tensor (no view, no copy)
-                param.grad = _dtensor_like(grad, param)
+                param.grad = dtensor_like(grad, param)
                 sp.run_post_accumulate_grad_hooks()
             else:
                 sp.make_grad(grad)

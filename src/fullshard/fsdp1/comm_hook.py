@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.hooks import FSDPState
+from ..engine import FSDPState
 
 __all__ = ["CommHookReduceScatter", "install_comm_hook"]
 

@@ -37,8 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 
-from ..engine.mesh import default_mesh
-from ..engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, default_mesh
 
 __all__ = [
     "HYBRID",

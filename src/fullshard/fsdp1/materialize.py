@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..engine.hooks import STATE_ATTR
+from ..engine import STATE_ATTR
 
 __all__ = ["local_modules", "materialize", "move_to_device", "sync_module_states"]
 

@@ -27,9 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.shards import local_box, slices
-from ..engine.hooks import FSDPState
-from ..engine.param import ShardedParam
-from ..engine.state import TrainingState
+from ..engine import FSDPState, ShardedParam, TrainingState
 
 __all__ = ["check_summon_args", "summon"]
 

@@ -47,9 +47,8 @@ from torch.utils._pytree import tree_map
 
 from ..api import build_unit
 from ..clip import clip_grad_norm_ as _clip_grad_norm
-from ..engine.hooks import STATE_ATTR, FSDPState
-from ..engine.mesh import mesh_info
-from ..engine.state import TrainingState as _EngineState
+from ..engine import STATE_ATTR, FSDPState, mesh_info
+from ..engine import TrainingState as _EngineState
 from ..module import FullyShardError, UnshardHandle, adopt_applied_params
 from . import config
 from . import state_dict as S

@@ -48,7 +48,7 @@ class EngineModel:
         ``select_transport``)."""
         if self.transport is None:
             return self
-        from fullshard.engine.transport import select_transport  # imports torch
+        from fullshard.engine import select_transport  # imports torch
 
         backend, device = self.transport
         t = select_transport("auto", backend, device, shard_size, unit_bytes, aliasable=aliasable)

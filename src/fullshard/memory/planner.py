@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fullshard.engine.backend import BackendPlan
+from fullshard.engine import BackendPlan
 from fullshard.memory.ac import checkpointed
 from fullshard.memory.cost import OpCost
 from fullshard.memory.engines import ENGINES, EngineModel

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..engine.param import _dtensor_like
+from ..engine import dtensor_like
 from .closure import run_closure
 
 __all__ = ["ELEMENTWISE", "local_step"]
@@ -177,7 +177,7 @@ def _as_state(value: Any, before: Any, p: DTensor, local: torch.Tensor) -> Any:
     ):
         # Made during the step (zeros_like(param), clone(grad)): wrap it like its parameter.
         if value.dtype == local.dtype and value.stride() == local.stride():
-            return _dtensor_like(value, p)
+            return dtensor_like(value, p)
         return DTensor.from_local(
             value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )

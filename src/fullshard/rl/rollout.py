@@ -30,7 +30,7 @@ from typing import cast
 
 from torch import nn
 
-from ..engine.state import TrainingState
+from ..engine import TrainingState
 from ..module import FSDPModule
 from .sleep import _root_states
 

@@ -60,9 +60,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from ..engine.group import ParamGroup
-from ..engine.hooks import FSDPState, states_under
-from ..engine.state import ShardedState, TrainingState
+from ..engine import FSDPState, ParamGroup, ShardedState, TrainingState, states_under
 
 __all__ = ["SleepReport", "asleep", "is_asleep", "sleep", "wake"]
 

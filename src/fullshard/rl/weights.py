@@ -26,10 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine import collectives
-from fullshard.engine.handle import Handle
-from fullshard.engine.hooks import states_under
-from fullshard.engine.labels import label
+from fullshard.engine import Handle, all_gather, label, states_under
 
 from .names import Geometry, geometry, lead_rank, local_tensor, named_weights
 
@@ -175,7 +172,7 @@ def _issue(bucket: _Bucket, index: int) -> _InFlight:
         return _InFlight(bucket, send, None)
     out = torch.empty(bucket.world * bucket.slot_numel, dtype=bucket.dtype, device=send.device)
     with label("rl publish: all-gather", f"bucket {index}"):
-        handle = collectives.all_gather(out, send, bucket.group, what=f"rl publish bucket {index}")
+        handle = all_gather(out, send, bucket.group, what=f"rl publish bucket {index}")
     return _InFlight(bucket, out, handle)
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.collectives import count_collectives
+from fullshard.engine import count_collectives
 
 from .delta import ShardDeltas, bits, decode_xor, encode_xor
 from .receiver import WeightReceiver

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fullshard.engine.compat import LAUNCH_SHUTDOWN_TIMEOUT
+from fullshard.engine import LAUNCH_SHUTDOWN_TIMEOUT
 from fullshard.train import failures
 from fullshard.train.failures import LAUNCHER_ENV
 from fullshard.train.metrics import read_metrics
