@@ -96,6 +96,7 @@ def boot() -> None:
 
     common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
     if common_fsdp.DEVICE_TYPE == "cpu":
+        _instantiate_on_cpu(world)
         # the spawned ranks unpickle it by the name it replaces
         _run_rank_on_cpu.__name__ = _run_rank_on_cpu.__qualname__ = "_run"
         common_fsdp.FSDPTest._run = classmethod(_run_rank_on_cpu)  # type: ignore[assignment]
@@ -103,6 +104,28 @@ def boot() -> None:
         import fullshard
 
         fullshard.patch_torch_fsdp()
+
+
+def _instantiate_on_cpu(world: int) -> None:
+    """Device-generic test classes get their CPU variant too (files that list only
+    accelerators in ``only_for``), and ``torch.cpu.device_count()`` and
+    ``torch.accelerator.device_count()`` (which test classes size their world by) answer
+    ``world``."""
+    import torch
+    from torch.testing._internal import common_device_type
+
+    original = common_device_type.instantiate_device_type_tests
+
+    def instantiate_device_type_tests(*args: Any, **kwargs: Any) -> Any:
+        only_for = kwargs.get("only_for")
+        if only_for is not None and "cpu" not in only_for:
+            only_for = [only_for] if isinstance(only_for, str) else list(only_for)
+            kwargs["only_for"] = [*only_for, "cpu"]
+        return original(*args, **kwargs)
+
+    common_device_type.instantiate_device_type_tests = instantiate_device_type_tests
+    torch.cpu.device_count = lambda: world
+    torch.accelerator.device_count = lambda: world
 
 
 def _run_rank_on_cpu(
