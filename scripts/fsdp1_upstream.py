@@ -79,6 +79,7 @@ if os.environ.get({env!r}):
     fsdp1_upstream.boot()
 """
 # pytest -v: "file.py::Class::test PASSED [ 10%]"
+_ERROR_LINE = re.compile(r"^[\w.]+(Error|Exception|Warning)\b")
 _VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b")
 
 
@@ -124,8 +125,26 @@ def _instantiate_on_cpu(world: int) -> None:
         return original(*args, **kwargs)
 
     common_device_type.instantiate_device_type_tests = instantiate_device_type_tests
+    _ddp_on_cpu()
     torch.cpu.device_count = lambda: world
     torch.accelerator.device_count = lambda: world
+
+
+def _ddp_on_cpu() -> None:
+    """DDP, the reference many tests train against, refuses ``device_ids`` for a module on the
+    CPU (where it must be ``None``): drop them there, the same under both engines."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    def __init__(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        if all(p.device.type == "cpu" for p in module.parameters()):
+            kwargs.pop("device_ids", None)
+            kwargs.pop("output_device", None)
+            args = (None, None, *args[2:]) if args else ()  # device_ids, output_device
+        original(self, module, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _run_rank_on_cpu(
@@ -199,15 +218,17 @@ class FileResult:
 
 
 def _first_line(message: str) -> str:
-    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    # pytest marks a traceback's error lines with a leading "E"
+    lines = [re.sub(r"^E\s+", "", ln.strip()) for ln in message.splitlines() if ln.strip()]
     # torch's MultiProcessTestCase reports a rank's exception as "Process N exited with error
     # code 10 and exception:" then the traceback: its last line names the error
     for i, ln in enumerate(lines):
-        if "exited with error code" in ln and i + 1 < len(lines):
-            tail = [x for x in lines[i + 1 :] if not x.startswith(("File ", "Traceback", "^"))]
-            errs = [x for x in tail if re.match(r"^[\w.]+(Error|Exception)\b", x)]
-            if errs:
-                return errs[0][:300]
+        if "exited with error code" in ln:
+            rest = lines[i + 1 :]
+            end = next((k for k, x in enumerate(rest) if "exited with error code" in x), None)
+            errs = [x for x in rest[:end] if _ERROR_LINE.match(x)]
+            if errs:  # the traceback's last error line (the cause, not its re-raise)
+                return errs[-1][:300]
     return (lines[0] if lines else "")[:300]
 
 
