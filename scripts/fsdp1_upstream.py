@@ -12,26 +12,36 @@ downloads nothing). Each chosen file runs under pytest in its own process, once 
   ``FSDP(...)`` they build is fullshard's wrapper.
 
 The swap must happen in every process, before the test module imports FSDP, also in the ranks
-that torch's ``MultiProcessTestCase`` spawns: the script writes a ``sitecustomize.py`` into a
-temporary folder put first on ``PYTHONPATH``, which calls :func:`boot` at every interpreter's
+that torch's ``MultiProcessTestCase`` spawns: the script writes a ``sitecustomize.py`` into
+``OUT/logs/boot``, put first on ``PYTHONPATH``, which calls :func:`boot` at every interpreter's
 start. :func:`boot` also makes torch's tests run on a machine without accelerators, where they
-otherwise skip: ``skip_if_lt_x_gpu`` runs the test (as its own ``allow_cpu=True`` does) and
-``common_fsdp.DEVICE_COUNT`` (the default world size of ``FSDPTest``, 1 on a CPU) becomes
-``--world-size``. The device type and backend are already CPU/gloo there (``common_fsdp``
-picks ``cpu``/``gloo`` without an accelerator, and the tests' ``device_type = acc.type if acc
-else "cpu"``). Tests that hard-code CUDA fail under both engines, which the control shows. A
-skip that remains (``unittest.skip``, a version guard, a child's skip exit code) is counted as
-a skip, never as a pass.
+otherwise skip or are never instantiated:
+
+* ``skip_if_lt_x_gpu`` runs the test (as its own ``allow_cpu=True`` does), and ``FSDPTest``'s
+  rank entry point drops its "fewer accelerators than ranks" skip (gloo, every rank on the CPU);
+* ``common_fsdp.DEVICE_COUNT`` (``FSDPTest``'s default world size, 1 on a CPU),
+  ``torch.cpu.device_count()`` and ``torch.accelerator.device_count()`` (which test classes
+  size their world by) answer ``--world-size``;
+* ``instantiate_device_type_tests(..., only_for=<accelerators>)`` also makes the CPU variant;
+* DDP, the reference many tests compare against, gets no ``device_ids`` for a CPU module
+  (it refuses them there).
+
+The device type and backend are already CPU/gloo there (``common_fsdp`` picks ``cpu``/``gloo``
+without an accelerator, as do the tests' ``device_type = acc.type if acc else "cpu"``). Tests
+that still need CUDA fail under both engines, which the control shows. A skip that remains
+(``unittest.skip``, a version guard, a rank's skip exit code) is counted as a skip, never as a
+pass. Needs torch's test helpers' one extra package, ``expecttest`` (in the ``dev`` extra).
 
 Per-test limit: torch's own (``DISTRIBUTED_TESTS_DEFAULT_TIMEOUT``, set from
 ``--test-timeout``) fails a test whose ranks hang. Per-file limit: ``--file-timeout``; a file
-past it is killed and its finished tests are read from pytest's verbose lines, the rest
-reported as not run.
+past it is killed, its finished tests are read from pytest's verbose lines and the rest
+count as one error (``FILE::<rest>``).
 
 Output (``--out``, default ``./fsdp1-upstream``): ``summary.json`` (per file and engine:
 passed / failed / errors / skipped / seconds, each failing test's id and the first line of its
 error) and ``summary.md`` (the same as tables, and the tests that pass under torch but not under
-fullshard). Exit status 0 whatever the tests did (a measurement), 2 on bad arguments.
+fullshard); ``OUT/logs`` keeps pytest's output and JUnit XML per file and engine. Exit
+status 0 whatever the tests did (a measurement), 2 on bad arguments.
 """
 
 from __future__ import annotations
