@@ -22,7 +22,8 @@ otherwise skip or are never instantiated:
 * ``common_fsdp.DEVICE_COUNT`` (``FSDPTest``'s default world size, 1 on a CPU),
   ``torch.cpu.device_count()`` and ``torch.accelerator.device_count()`` (which test classes
   size their world by) answer ``--world-size``;
-* ``instantiate_device_type_tests(..., only_for=<accelerators>)`` also makes the CPU variant;
+* ``instantiate_device_type_tests(..., only_for=<accelerators>)`` also makes the CPU variant,
+  and ``common_cuda.TEST_MULTIGPU`` (``unittest.skipIf(not TEST_MULTIGPU)``) is true;
 * DDP, the reference many tests compare against, gets no ``device_ids`` for a CPU module
   (it refuses them there).
 
@@ -123,7 +124,7 @@ def _instantiate_on_cpu(world: int) -> None:
     ``torch.accelerator.device_count()`` (which test classes size their world by) answer
     ``world``."""
     import torch
-    from torch.testing._internal import common_device_type
+    from torch.testing._internal import common_cuda, common_device_type
 
     original = common_device_type.instantiate_device_type_tests
 
@@ -135,6 +136,7 @@ def _instantiate_on_cpu(world: int) -> None:
         return original(*args, **kwargs)
 
     common_device_type.instantiate_device_type_tests = instantiate_device_type_tests
+    common_cuda.TEST_MULTIGPU = True  # read by ``unittest.skipIf`` at the test's import
     _ddp_on_cpu()
     torch.cpu.device_count = lambda: world
     torch.accelerator.device_count = lambda: world
