@@ -25,7 +25,9 @@ otherwise skip or are never instantiated:
 * ``instantiate_device_type_tests(..., only_for=<accelerators>)`` also makes the CPU variant,
   and ``common_cuda.TEST_MULTIGPU`` (``unittest.skipIf(not TEST_MULTIGPU)``) is true;
 * DDP, the reference many tests compare against, gets no ``device_ids`` for a CPU module
-  (it refuses them there).
+  (it refuses them there), and torch's FSDP1 (the control), which refuses a CPU module
+  without ``device_id`` when no accelerator exists, gets the CPU device where a test passes
+  none (fullshard's wrapper runs on the CPU without one; it is not touched).
 
 The device type and backend are already CPU/gloo there (``common_fsdp`` picks ``cpu``/``gloo``
 without an accelerator, as do the tests' ``device_type = acc.type if acc else "cpu"``). Tests
@@ -138,6 +140,7 @@ def _instantiate_on_cpu(world: int) -> None:
     common_device_type.instantiate_device_type_tests = instantiate_device_type_tests
     common_cuda.TEST_MULTIGPU = True  # read by ``unittest.skipIf`` at the test's import
     _ddp_on_cpu()
+    _torch_fsdp1_on_cpu()
     torch.cpu.device_count = lambda: world
     torch.accelerator.device_count = lambda: world
 
@@ -157,6 +160,24 @@ def _ddp_on_cpu() -> None:
         original(self, module, *args, **kwargs)
 
     DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _torch_fsdp1_on_cpu() -> None:
+    """torch's FSDP1 (the control) refuses a CPU module without ``device_id`` when no
+    accelerator exists, yet runs on the CPU given ``device_id=torch.device("cpu")``: its device
+    handle gets the CPU where a test passes no ``device_id``. fullshard's wrapper is not
+    touched (it runs on the CPU without one)."""
+    import torch
+    from torch.distributed.fsdp import fully_sharded_data_parallel as torch_fsdp1
+
+    original = torch_fsdp1._init_device_handle
+
+    def _init_device_handle(state: Any, module: Any, ignored: Any, device_id: Any) -> Any:
+        if device_id is None and torch.accelerator.current_accelerator() is None:
+            device_id = torch.device("cpu")
+        return original(state, module, ignored, device_id)
+
+    torch_fsdp1._init_device_handle = _init_device_handle
 
 
 def _run_rank_on_cpu(
