@@ -257,8 +257,8 @@ def resolve_ignored(
     is_unit: Callable[[torch.nn.Module], bool],
 ) -> tuple[set[torch.nn.Module], set[torch.nn.Parameter]]:
     """FSDP1's ``ignored_modules`` / ``ignored_states``: the modules left out (with their
-    submodules) and the parameters left unsharded (theirs and those named), with FSDP1's
-    checks."""
+    submodules) and the parameters left unsharded (theirs, those named, and those the
+    wrappers already inside ``root`` ignore), with FSDP1's checks."""
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "Cannot pass both ignored_modules and ignored_states at the same time. Please just "
@@ -287,4 +287,10 @@ def resolve_ignored(
             raise ValueError("`ignored_modules` should not include FSDP modules")
     out = {sub for m in modules for sub in m.modules() if not is_unit(sub)}
     ignored = {p for m in out for p in m.parameters()} | set(params)
+    # what a wrapper already inside ``root`` ignores, ``root`` ignores too (as in FSDP1), also
+    # where ranks ignore different modules: else ``root`` would shard them, rank by rank
+    for sub in root.modules():
+        if sub is not root and is_unit(sub):
+            out |= getattr(sub, "_ignored_modules", set())
+            ignored |= getattr(sub, "_ignored_params", set())
     return out, ignored
