@@ -3,6 +3,7 @@
     python scripts/fsdp1_upstream.py --tests-dir DIR                     # both engines
     python scripts/fsdp1_upstream.py --tests-dir DIR --engine fullshard \\
         --files test_fsdp_grad_acc.py -k use_orig_params --out /tmp/fsdp1-up
+    python scripts/fsdp1_upstream.py --tests-dir DIR --src ../other-checkout/src  # its fullshard
 
 ``DIR`` holds torch's ``test/distributed/fsdp/*.py`` of the installed torch version (this script
 downloads nothing). Each chosen file runs under pytest in its own process, once per engine:
@@ -305,7 +306,7 @@ def parse_verbose(stdout: str) -> FileResult:
 
 def _env(engine: str, boot_dir: Path, args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
-    path = [str(boot_dir), str(ROOT / "src"), env.get("PYTHONPATH", "")]
+    path = [str(boot_dir), str(args.src.resolve()), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
     env[ENV_ENGINE] = engine
     env[ENV_WORLD] = str(args.world_size)
@@ -363,7 +364,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     def git(*a: str) -> str:
-        done = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", *a], cwd=args.src.resolve(), capture_output=True, text=True)
         return done.stdout.strip()
 
     return {
@@ -372,6 +373,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
         "torch_git": getattr(torch.version, "git_version", ""),
         "fullshard_commit": git("rev-parse", "--short", "HEAD"),
         "fullshard_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "fullshard_src": str(args.src.resolve()),
         "world_size": args.world_size,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
@@ -439,6 +441,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--test-timeout", type=int, default=300, help="seconds a test may take")
     p.add_argument("--file-timeout", type=int, default=1800, help="seconds a file may take")
     p.add_argument("--out", type=Path, default=Path("fsdp1-upstream"))
+    p.add_argument("--src", type=Path, default=ROOT / "src", help="fullshard's tree to measure")
     return p.parse_args(argv)
 
 
