@@ -1,0 +1,107 @@
+"""Causes found by running torch's own FSDP1 tests against fullshard's wrapper
+(``scripts/fsdp1_upstream.py``, docs/fsdp1.md), each reproduced here against torch's FSDP1 in
+one spawn (gloo, CPU, 2 ranks).
+
+Ignored modules differing across ranks (torch's ``test_diff_ignored_modules_across_ranks``):
+a child wrapper ignores rank-dependent modules and its parent is built without them (or with
+them, or with the same parameters as ``ignored_states``). FSDP1's parent ignores what its
+children ignore; fullshard's parent sharded the child's ignored parameters, a different number
+on each rank, and the ranks' all-gathers disagreed (gloo aborts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp1_cases import CPU, ENGINES
+from fullshard.testing import run_distributed
+
+
+class _Ignored(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class _Model(nn.Module):
+    """torch's test's model: ``rank + 1`` ignored modules in ``layer1``; the other weights are
+    the same on every rank (FSDP1's flat shards and fullshard's per-parameter shards of
+    rank-dependent weights would assemble different models)."""
+
+    def __init__(self, num_ignored: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer0 = nn.Linear(3, 5)
+        first, second, last = nn.Linear(5, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.layer2 = nn.Linear(4, 2)
+        self.layer3 = nn.Linear(2, 2)
+        ignored = [_Ignored() for _ in range(num_ignored)]
+        self.layer1 = nn.Sequential(first, second, *ignored, last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.layer0, self.layer1, self.layer2, self.layer3):
+            x = torch.relu(layer(x))
+        return x
+
+
+def _train(engine: str, to_root: bool, as_states: bool) -> dict[str, Any]:
+    fsdp = ENGINES[engine]
+    model = _Model(num_ignored=dist.get_rank() + 1)
+    mods = [m for m in model.layer1.modules() if isinstance(m, _Ignored)]
+    params = [p for m in mods for p in m.parameters()]
+    child_kw = {"ignored_states": params} if as_states else {"ignored_modules": mods}
+    model.layer1 = fsdp(model.layer1, device_id=CPU, **child_kw)
+    model.layer3 = fsdp(model.layer3, device_id=CPU)
+    root_kw: dict[str, Any] = {}
+    if to_root:
+        root_kw = {"ignored_states": params} if as_states else {"ignored_modules": mods}
+    root = fsdp(model, device_id=CPU, **root_kw)
+    optim = torch.optim.Adam(root.parameters(), lr=1e-2)
+    torch.manual_seed(10 + dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = root(torch.randn(8, 3)).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "ignored": [p.detach().clone() for p in params],
+        "ignored_plain": [not isinstance(p, DTensor) for p in params],
+    }
+
+
+def _ranks_ignore_different_modules() -> dict[str, Any]:
+    out = {}
+    for to_root in (False, True):
+        for as_states in (False, True):
+            for engine in ENGINES:
+                out[f"to_root={to_root}/states={as_states}/{engine}"] = _train(
+                    engine, to_root, as_states
+                )
+    return out
+
+
+def test_ranks_ignoring_different_modules_match_fsdp1() -> None:
+    """Each rank's losses and its ignored parameters (left plain, trained locally) after 3
+    Adam steps are torch's FSDP1's, whether the parent names the children's ignored modules
+    or not."""
+    for rank, got in enumerate(run_distributed(_ranks_ignore_different_modules, 2)):
+        cases = sorted(k.rsplit("/", 1)[0] for k in got if k.endswith("/fullshard"))
+        assert len(cases) == 4, cases
+        for case in cases:
+            ours, ref = got[f"{case}/fullshard"], got[f"{case}/torch"]
+            assert len(ours["ignored"]) == rank + 1
+            assert all(ours["ignored_plain"]), (rank, case)
+            torch.testing.assert_close(ours["losses"], ref["losses"], msg=f"rank {rank} {case}")
+            for a, b in zip(ours["ignored"], ref["ignored"]):
+                torch.testing.assert_close(a, b, msg=f"rank {rank} {case}")
