@@ -39,6 +39,7 @@ _GROUPS = {
     "data": "data",
     "lr": "optimizer",
     "mixed_precision": "parallelism and memory",
+    "ft_lighthouse": "fault tolerance (torchft)",
     "eval_every": "evaluation, checkpoints and output",
 }
 
@@ -53,6 +54,7 @@ _METAVARS = {
     "resume": "{auto,never,PATH}",
     "reshard_after_forward": "{auto,true,false,K}",
     "sample_prompt": "TEXT",
+    "ft_lighthouse": "HOST:PORT",
 }
 
 _EPILOG = """\
