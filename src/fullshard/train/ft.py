@@ -208,7 +208,11 @@ class FTTrainingRun(TrainingRun):
         step = self.step + 1
         self.faults.step_begin(step)
         lr = lr_at(
-            step, lr=cfg.lr, warmup=cfg.warmup_steps, total=cfg.max_steps, min_ratio=cfg.min_lr_ratio
+            step,
+            lr=cfg.lr,
+            warmup=cfg.warmup_steps,
+            total=cfg.max_steps,
+            min_ratio=cfg.min_lr_ratio,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
