@@ -15,8 +15,10 @@ optimizer and trainer state (step, data position, counters).
 it) is retried with the same batch. A committed step trains on the rows of the groups in its
 quorum; the rows of the others are skipped, never read again: rank 0 writes a ``ft`` record per
 step to metrics.jsonl (the quorum, the groups in it, the skipped rows and their window starts,
-the running count of skipped samples) and a ``heal`` record when the group heals. A healing
-group's own rows of its first step are skipped too (torchft zeroes its contribution).
+the running count of skipped samples) and a ``heal`` record when the group heals. Which
+groups a step averaged is measured, not assumed: one small all-reduce over the quorum, in
+which a group torchft does not count contributes zeros. A restarted group heals at the start
+of a step (before its forward), so it trains on its rows of that very step.
 
 [Note: non-finite gradients under torchft] The gradients are averaged across the quorum before
 the norm is taken, so every group sees the same non-finite norm. Every group still asks the
