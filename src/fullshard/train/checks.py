@@ -12,10 +12,9 @@ caching it, and never touch ``config.toml``. What they would have written is don
 
 from __future__ import annotations
 
-import importlib.util
-
 import dataclasses
 import errno
+import importlib.util
 import os
 import uuid
 from dataclasses import dataclass, field

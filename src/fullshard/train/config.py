@@ -378,6 +378,8 @@ def check_batch(cfg: TrainConfig, world: int, *, tp: int = 1) -> None:
     if cfg.global_batch % unit:
         up = (cfg.global_batch // unit + 1) * unit
         ranks = "ranks" if tp == 1 else f"data-parallel ranks ({world * tp} ranks / --tp {tp})"
+        if cfg.ft_lighthouse:
+            ranks = f"--ft-replicas x {ranks} of a replica group"
         raise ConfigError(
             f"--global-batch {cfg.global_batch} is not divisible by {ranks} x --micro-batch = "
             f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "
