@@ -137,7 +137,7 @@ def test_bad_ft_values_fail_fast(
     tmp_path: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
 ) -> None:
     ft = ["--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--ft-lighthouse", "h:1"]
-    _fails([*ft, "--ft-replica-id", "2"], capsys, "--ft-replica-id 2", "--ft-replicas 2", "0 .. 1")
+    _fails([*ft, "--ft-replica-id", "2"], capsys, "--ft-replica-id 2", "--ft-replicas 2", "0 to 1")
     _fails([*ft, "--ft-replicas", "0"], capsys, "--ft-replicas", "positive")
     _fails(
         [*ft, "--dp-replicate", "2", "--nproc", "2"], capsys, "--ft-lighthouse", "--dp-replicate"

@@ -194,7 +194,7 @@ class TrainConfig:
     torchft, a failed group drops out while the others train on, a restarted one heals live.
     Empty: off (checkpoint-and-restart only)."""
     ft_replica_id: int = 0
-    """This replica group's number, 0 .. --ft-replicas - 1 (with --ft-lighthouse); it picks
+    """This replica group's number, from 0 to --ft-replicas - 1 (with --ft-lighthouse); it picks
     the group's rows of each global batch."""
     ft_replicas: int = 2
     """Replica groups the job has (with --ft-lighthouse): each global batch splits into
@@ -279,7 +279,7 @@ class TrainConfig:
         if self.ft_replica_id >= self.ft_replicas:
             raise ConfigError(
                 f"--ft-replica-id {self.ft_replica_id} is not below --ft-replicas "
-                f"{self.ft_replicas}; number the replica groups 0 .. {self.ft_replicas - 1}"
+                f"{self.ft_replicas}; number the replica groups from 0 to {self.ft_replicas - 1}"
             )
         if self.dp_replicate != 1 or self.tp != 1:
             raise ConfigError(
