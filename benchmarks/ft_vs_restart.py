@@ -8,7 +8,7 @@ SIGKILLed, launcher, agent and worker, and started again at once; it heals live)
 run: wall time to the last step, committed steps lost (trained, then trained again after a
 restart), samples skipped (torchft: the dead group's rows of the steps it missed), and
 seconds idle of the killed rank (restart: from each kill to the first step after it; torchft:
-from each kill to the heal) and of the other rank (restart: the same; torchft: the survivor's
+from each kill to the heal, or to the last step) and of the other rank (restart: the same; torchft: the survivor's
 steps longer than 3x its median step, i.e. its stalls at each failure and heal).
 
     python benchmarks/ft_vs_restart.py --steps 300 --kill-every 100 --ckpt-every 50
@@ -158,7 +158,8 @@ def run_ft(args: argparse.Namespace, root: Path, data: Path) -> dict[str, float]
     assert procs[0].returncode == 0, (root / "ft0.out").read_text()[-3000:]
     train = records(root / "ft0", "train")
     heals = [r["time"] for r in records(root / "ft1", "heal")]
-    idle = sum(min([h for h in heals if h > t] or [time.time()]) - t for t in killed_at)
+    end = train[-1]["time"]  # a group not back by the last step idles until then
+    idle = sum(min([h for h in heals if h > t] + [end]) - t for t in killed_at)
     median = statistics.median(r["step_time_s"] for r in train)
     stalls = sum(r["step_time_s"] for r in train if r["step_time_s"] > 3 * median)
     ft_recs = records(root / "ft0", "ft")
