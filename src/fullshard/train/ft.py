@@ -295,7 +295,12 @@ class FTTrainingRun(TrainingRun):
 
     def _report_heal(self) -> None:
         if self.log:
-            self.log.write("heal", step=self.healed_from, tokens=self.tokens_seen)
+            self.log.write(
+                "heal",
+                step=self.healed_from,
+                tokens=self.tokens_seen,
+                skipped_samples=self.skipped_samples,  # counted by the group healed from
+            )
             self.progress.line(
                 f"healed from a live replica group at step {self.healed_from}: model, "
                 "optimizer and data position received"
