@@ -133,6 +133,21 @@ def test_bad_values_fail_fast(
     assert no_launch == []
 
 
+def test_bad_ft_values_fail_fast(
+    tmp_path: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    ft = ["--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--ft-lighthouse", "h:1"]
+    _fails([*ft, "--ft-replica-id", "2"], capsys, "--ft-replica-id 2", "--ft-replicas 2", "0 to 1")
+    _fails([*ft, "--ft-replicas", "0"], capsys, "--ft-replicas", "positive")
+    _fails(
+        [*ft, "--dp-replicate", "2", "--nproc", "2"], capsys, "--ft-lighthouse", "--dp-replicate"
+    )
+    _fails(
+        [*ft, "--ft-replicas", "3", "--nproc", "1"], capsys, "--ft-replicas x ranks", "3 x 2 = 6"
+    )
+    assert no_launch == []
+
+
 def test_bad_flag_exits_before_spawning(tmp_path: Path) -> None:
     """Through the real console entry: fails in about the time of an import, creates nothing."""
     env = {**os.environ, "PYTHONPATH": _pythonpath()}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.util
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -342,6 +343,8 @@ def validate(
             tensorboard_writer_class()
         except ImportError as e:
             raise ConfigError(str(e)) from None
+    if cfg.ft_lighthouse and importlib.util.find_spec("torchft") is None:
+        raise ConfigError("--ft-lighthouse needs torchft: pip install 'fullshard[ft]' (Linux)")
     n_tokens, data_vocab, pending = _check_data(cfg)
     n_params = _check_model(cfg, world_size, data_vocab)
     if fresh_launch:

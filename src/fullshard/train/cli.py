@@ -39,6 +39,7 @@ _GROUPS = {
     "data": "data",
     "lr": "optimizer",
     "mixed_precision": "parallelism and memory",
+    "ft_lighthouse": "fault tolerance (torchft)",
     "eval_every": "evaluation, checkpoints and output",
 }
 
@@ -53,6 +54,7 @@ _METAVARS = {
     "resume": "{auto,never,PATH}",
     "reshard_after_forward": "{auto,true,false,K}",
     "sample_prompt": "TEXT",
+    "ft_lighthouse": "HOST:PORT",
 }
 
 _EPILOG = """\
@@ -66,6 +68,8 @@ examples:
       128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
       "vocab_size": 256}' --max-steps 50
   fullshard train --hf-model ./my-llama --data chat.jsonl --lr 2e-5 --tensorboard
+  fullshard train --nproc 1 --ft-lighthouse HOST:29510 --ft-replica-id 0 --run-dir runs/ft0
+      # one torchft replica group of 2 (--ft-replicas); replica 1 likewise, with its own run dir
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       --rdzv-id myrun -m fullshard.train.worker --preset gpt2-124m --run-dir /shared/runs/g
 """

@@ -187,6 +187,19 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each block (needs a working compiler toolchain)."""
 
+    # ---- fault tolerance (torchft)
+    ft_lighthouse: str = ""
+    """HOST:PORT of a torchft lighthouse: this launch becomes one replica group of a
+    fault-tolerant job (pip install 'fullshard[ft]'); the groups average gradients through
+    torchft, a failed group drops out while the others train on, a restarted one heals live.
+    Empty: off (checkpoint-and-restart only)."""
+    ft_replica_id: int = 0
+    """This replica group's number, from 0 to --ft-replicas - 1 (with --ft-lighthouse); it picks
+    the group's rows of each global batch."""
+    ft_replicas: int = 2
+    """Replica groups the job has (with --ft-lighthouse): each global batch splits into
+    --ft-replicas x data-parallel parts; a missing group's rows of a step are skipped."""
+
     # ---- eval, checkpoints, output
     eval_every: int = 50
     """Evaluate the held-out loss every this many steps (and at the end); 0 disables it."""
@@ -251,11 +264,28 @@ class TrainConfig:
                 )
         if self.resume == "":
             raise ConfigError("--resume must be auto, never or a checkpoint path, got ''")
+        self._check_ft()
         for name, value in _choices_of_literals().items():
             if getattr(self, name) not in value:
                 raise ConfigError(
                     f"{flag(name)} must be one of {', '.join(value)}, got {getattr(self, name)!r}"
                 )
+
+    def _check_ft(self) -> None:
+        _require(self, "ft_replicas", self.ft_replicas >= 1, "a positive integer")
+        _require(self, "ft_replica_id", self.ft_replica_id >= 0, "zero or a positive integer")
+        if not self.ft_lighthouse:
+            return
+        if self.ft_replica_id >= self.ft_replicas:
+            raise ConfigError(
+                f"--ft-replica-id {self.ft_replica_id} is not below --ft-replicas "
+                f"{self.ft_replicas}; number the replica groups from 0 to {self.ft_replicas - 1}"
+            )
+        if self.dp_replicate != 1 or self.tp != 1:
+            raise ConfigError(
+                "--ft-lighthouse: each replica group is one --dp-shard group; drop "
+                "--dp-replicate/--tp (torchft's replica groups are the replication)"
+            )
 
     @property
     def reshard_group(self) -> int | None:
@@ -342,10 +372,14 @@ def check_batch(cfg: TrainConfig, world: int, *, tp: int = 1) -> None:
     """The global batch splits into ``world`` data-parallel ranks x ``--micro-batch`` (needs
     no torch, so ``fullshard train`` checks it before importing anything heavy when --nproc
     is given). ``tp``: ranks of one TP group, which read the same rows."""
+    if cfg.ft_lighthouse:  # each replica group reads its share (see fullshard.train.ft)
+        world *= cfg.ft_replicas
     unit = world * cfg.micro_batch
     if cfg.global_batch % unit:
         up = (cfg.global_batch // unit + 1) * unit
         ranks = "ranks" if tp == 1 else f"data-parallel ranks ({world * tp} ranks / --tp {tp})"
+        if cfg.ft_lighthouse:
+            ranks = f"--ft-replicas x {ranks} of a replica group"
         raise ConfigError(
             f"--global-batch {cfg.global_batch} is not divisible by {ranks} x --micro-batch = "
             f"{world} x {cfg.micro_batch} = {unit}; use --global-batch {up}, or a --micro-batch "

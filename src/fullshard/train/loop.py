@@ -79,4 +79,8 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
 
 def train(cfg: TrainConfig, env: DistEnv) -> int:
     """Run training on this rank; returns the process exit code (0 also after Ctrl-C)."""
+    if cfg.ft_lighthouse:  # one replica group of a torchft job (fullshard.train.ft)
+        from fullshard.train.ft import FTTrainingRun
+
+        return FTTrainingRun(cfg, env).run()
     return TrainingRun(cfg, env).run()

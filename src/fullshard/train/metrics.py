@@ -130,6 +130,7 @@ class Progress:
         self.total, self.start, self.log_every = total, start, log_every
         self._t0 = time.monotonic()
         self._bar_shown = False
+        self.note = ""  # shown after each step's figures (e.g. torchft's quorum)
 
     def _eta(self, step: int) -> float:
         done, elapsed = step - self.start, time.monotonic() - self._t0
@@ -147,6 +148,8 @@ class Progress:
             f"{_fmt_rate(rec['tokens_per_s'])} tok/s  peak mem {mem} MiB  "
             f"eta {_fmt_duration(self._eta(step))}"
         )
+        if self.note:
+            text += f"  {self.note}"
         if rec.get("skipped"):
             text += "  (skipped: non-finite gradients)"
         if self.bar:
