@@ -91,13 +91,13 @@ def _publish_cases(model: nn.Module) -> dict[str, Any]:
     res["wire_numel"] = sum(t.numel() for t in oracle.values())
     # Pipelining: bucket i + 1's gather is issued before bucket i's first tensor is consumed.
     events: list[str] = []
-    real = publish_module.collectives.all_gather
+    real = publish_module.all_gather
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         events.append("issue")
         return real(*args, **kwargs)
 
-    publish_module.collectives.all_gather = spy  # type: ignore[assignment]
+    publish_module.all_gather = spy  # type: ignore[assignment]
     try:
         last = None
         for name, _ in publish(model, dtype=torch.bfloat16, bucket_bytes=1):
@@ -106,7 +106,7 @@ def _publish_cases(model: nn.Module) -> dict[str, Any]:
                 events.append(f"consume {unit}")
                 last = unit
     finally:
-        publish_module.collectives.all_gather = real  # type: ignore[assignment]
+        publish_module.all_gather = real  # type: ignore[assignment]
     res["events"] = events
     return res
 
