@@ -7,6 +7,9 @@ a child wrapper ignores rank-dependent modules and its parent is built without t
 them, or with the same parameters as ``ignored_states``). FSDP1's parent ignores what its
 children ignore; fullshard's parent sharded the child's ignored parameters, a different number
 on each rank, and the ranks' all-gathers disagreed (gloo aborts).
+
+Frozen and trainable parameters in one policy target (torch's ``test_frozen_params``): FSDP1
+refuses it with ``use_orig_params=False`` and warns with ``True``; fullshard wrapped silently.
 """
 
 from __future__ import annotations
@@ -105,3 +108,66 @@ def test_ranks_ignoring_different_modules_match_fsdp1() -> None:
             torch.testing.assert_close(ours["losses"], ref["losses"], msg=f"rank {rank} {case}")
             for a, b in zip(ours["ignored"], ref["ignored"]):
                 torch.testing.assert_close(a, b, msg=f"rank {rank} {case}")
+
+
+class _Lora(nn.Module):
+    """A frozen base weight beside a trainable adapter in one block (torch's ``LoraModel``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.adapter = nn.Linear(4, 4, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.adapter(x)
+
+
+def _frozen_mix_outcome(engine: str, use_orig_params: bool, split: bool) -> str:
+    """What ``FSDP(model, auto_wrap_policy=ModuleWrapPolicy(...))`` does with a block that
+    mixes frozen and trainable parameters: the error's or the warning's first sentence."""
+    import warnings
+
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    classes = {_Lora, nn.Linear} if split else {_Lora}
+    model = nn.Sequential(nn.Linear(4, 4), _Lora())
+    kwargs = {"auto_wrap_policy": ModuleWrapPolicy(classes), "use_orig_params": use_orig_params}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ENGINES[engine](model, device_id=CPU, **kwargs)
+        except ValueError as e:
+            return "ValueError: " + str(e).split("\n")[0]
+    mixed = [
+        str(w.message).split("\n")[0] for w in caught if "requires_grad=True" in str(w.message)
+    ]
+    return "warning: " + mixed[0] if mixed else "ok"
+
+
+def _frozen_mix_cases() -> dict[str, str]:
+    return {
+        f"orig={orig}/split={split}/{engine}": _frozen_mix_outcome(engine, orig, split)
+        for orig in (False, True)
+        for split in (False, True)
+        for engine in ENGINES
+    }
+
+
+def test_frozen_and_trainable_params_in_one_unit_match_fsdp1() -> None:
+    """A policy target mixing frozen and trainable parameters: ``ValueError`` with
+    ``use_orig_params=False``, a warning with ``True`` (both naming the block and FSDP1's
+    sentence), nothing once the frozen layer is a unit of its own: as torch's FSDP1."""
+    got = run_distributed(_frozen_mix_cases, 2)[0]
+    phrases = {
+        "orig=False": "FSDP does not support wrapping such modules when use_orig_params=False.",
+        "orig=True": "We do not recommend wrapping such modules",
+    }
+    for orig, phrase in phrases.items():
+        ours, ref = got[f"{orig}/split=False/fullshard"], got[f"{orig}/split=False/torch"]
+        kind = "ValueError" if orig == "orig=False" else "warning"
+        first = f"{kind}: 1 has both parameters with requires_grad=True and False"
+        assert ours.split(". ")[0] == ref.split(". ")[0] == first, (ours, ref)
+        assert phrase in ours and phrase in ref, (ours, ref)
+    for case in ("orig=False/split=True", "orig=True/split=True"):
+        assert got[f"{case}/fullshard"] == got[f"{case}/torch"] == "ok", got

@@ -15,11 +15,16 @@ Modules of ``MixedPrecision._module_classes_to_ignore`` (BatchNorm by default) b
 their own in full precision, with their inputs cast to float32 and their outputs back, as FSDP1
 does when a policy and mixed precision are both given. Then every target is wrapped, children
 before parents, and replaces the module in its parent.
+
+A ``_Policy``'s targets are checked first, as FSDP1 checks them: a unit whose own parameters
+(those its wrapped children leave it) mix ``requires_grad=True`` and ``False`` is refused with
+``use_orig_params=False`` (``ValueError``) and warned about with ``True``, naming both lists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,6 +55,7 @@ def auto_wrap(
     classes = tuple(getattr(mp, "_module_classes_to_ignore", ()) or ()) if mp else ()
     if isinstance(policy, _Policy):
         targets = policy._run_policy(root, ignored_modules, dict(root_kwargs))
+        _check_frozen_mix(root, targets, ignored_params, bool(root_kwargs.get("use_orig_params")))
     elif callable(policy):
         targets = {
             m: dict(root_kwargs)
@@ -95,6 +101,60 @@ def _recursive_targets(
 
     visit(root, True)
     return out
+
+
+def _post_order(module: nn.Module, name: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(fqn, module)`` for ``module``'s tree, children first, in registration order."""
+    for child_name, child in module.named_children():
+        yield from _post_order(child, f"{name}.{child_name}" if name else child_name)
+    yield name, module
+
+
+def _check_frozen_mix(
+    root: nn.Module,
+    targets: dict[nn.Module, dict[str, Any]],
+    ignored_params: set[nn.Parameter],
+    use_orig_params: bool,
+) -> None:
+    """FSDP1's rule for a policy's targets: each unit's own parameters are all trainable or all
+    frozen (refused with ``use_orig_params=False``, warned about with ``True``)."""
+    claimed: set[nn.Module] = set()  # modules whose parameters a unit below already took
+    for fqn, unit in _post_order(root):
+        if unit not in targets or unit in claimed:
+            continue
+        trainable: list[str] = []
+        frozen: list[str] = []
+        for sub_fqn, sub in _post_order(unit, fqn):
+            if sub in claimed:
+                continue
+            claimed.add(sub)
+            for pname, p in sub.named_parameters(recurse=False):
+                if p not in ignored_params:
+                    name = f"{sub_fqn}.{pname}" if sub_fqn else pname
+                    (trainable if p.requires_grad else frozen).append(name)
+        if trainable and frozen:
+            _refuse_frozen_mix(fqn, trainable, frozen, use_orig_params)
+
+
+def _refuse_frozen_mix(
+    fqn: str, trainable: list[str], frozen: list[str], use_orig_params: bool
+) -> None:
+    head = f"{fqn} has both parameters with requires_grad=True and False. "
+    lists = (
+        f"Wrap the frozen parameters in their own unit (a policy target of their own).\n"
+        f"requires_grad=True: {trainable}\nrequires_grad=False: {frozen}"
+    )
+    if not use_orig_params:
+        raise ValueError(
+            head
+            + "FSDP does not support wrapping such modules when use_orig_params=False. "
+            + lists
+        )
+    warnings.warn(
+        head + "We do not recommend wrapping such modules: with use_orig_params=True their "
+        "frozen parameters still take gradient memory. " + lists,
+        stacklevel=4,
+    )
 
 
 def _apply_bottom_up(
