@@ -40,7 +40,7 @@ import torch.distributed as dist
 from fullshard import FSDPModule
 from fullshard.train import data as data_mod
 from fullshard.train.config import ConfigError, TrainConfig
-from fullshard.train.optim import lr_at, set_ns_dtype
+from fullshard.train.optim import set_ns_dtype
 from fullshard.train.session import DistEnv, TrainingRun, _grad_norm_and_clip
 
 __all__ = ["FTTrainingRun", "ReplicaEnv"]
@@ -209,15 +209,7 @@ class FTTrainingRun(TrainingRun):
         before = self.sampler.state_dict()
         step = self.step + 1
         self.faults.step_begin(step)
-        lr = lr_at(
-            step,
-            lr=cfg.lr,
-            warmup=cfg.warmup_steps,
-            total=cfg.max_steps,
-            min_ratio=cfg.min_lr_ratio,
-        )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self._set_lr(step)
         loss_sum = self._forward_backward()
         self.faults.after_backward(step, self.model)
         members = self._members()

@@ -397,6 +397,20 @@ class TrainingRun:
         self._finish(reason)
         return 0
 
+    def _set_lr(self, step: int) -> float:
+        """Give every parameter group ``step``'s learning rate (warmup, then cosine)."""
+        cfg = self.cfg
+        lr = lr_at(
+            step,
+            lr=cfg.lr,
+            warmup=cfg.warmup_steps,
+            total=cfg.max_steps,
+            min_ratio=cfg.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     def _loop(self, t_start: float) -> str:
         """The steps; returns why they ended: done, nonfinite, signal or time_budget."""
         cfg = self.cfg
@@ -405,15 +419,7 @@ class TrainingRun:
             self.step += 1
             step = self.step
             self.faults.step_begin(step)
-            lr = lr_at(
-                step,
-                lr=cfg.lr,
-                warmup=cfg.warmup_steps,
-                total=cfg.max_steps,
-                min_ratio=cfg.min_lr_ratio,
-            )
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            lr = self._set_lr(step)
             loss_sum = self._forward_backward()
             self.faults.after_backward(step, self.model)
             grad_norm = self._optimizer_step()
