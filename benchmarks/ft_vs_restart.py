@@ -29,31 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from fullshard.testing import process_tree
 from fullshard.train.launch import package_root
 from fullshard.train.metrics import read_metrics
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (the agent starts workers in new sessions)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def kill_tree(pid: int, *, leaf_only: bool = False) -> None:
     """SIGKILL ``pid``'s tree (or only one worker: its deepest process)."""
-    pids = descendants(pid)
+    pids = process_tree(pid)
     for p in pids[-1:] if leaf_only else pids:
         try:
             os.kill(p, signal.SIGKILL)

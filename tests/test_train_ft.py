@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fullshard.testing import process_tree
 from fullshard.train import data as data_mod
 from fullshard.train.launch import package_root
 from fullshard.train.metrics import read_metrics
@@ -31,25 +32,6 @@ pytest.importorskip("torchft", reason="torchft is not installed (pip install -e 
 
 DEADLINE = 90.0  # seconds any one wait may take before the test fails (and tears down)
 BATCH, SEQ, CKPT_EVERY = 8, 32, 10
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (torchrun's agent puts its workers in a new
-    session, so a process-group kill would miss them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 class Job:
@@ -96,7 +78,7 @@ class Job:
     def kill(self, replica: int) -> None:
         """SIGKILL the launch: its launcher, agent and worker."""
         proc = self.procs.pop(replica)
-        for pid in _descendants(proc.pid):
+        for pid in process_tree(proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

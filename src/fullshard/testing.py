@@ -21,11 +21,12 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["ChildFailed", "free_port", "run_distributed"]
+__all__ = ["ChildFailed", "free_port", "process_tree", "run_distributed"]
 
 
 class ChildFailed(RuntimeError):
@@ -182,3 +183,23 @@ def run_distributed(
 
 def _format_errors(errors: dict[int, str]) -> str:
     return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it, read from ``/proc`` (Linux): what a test kills to
+    stop a whole launch (torchrun's agent puts its workers in a new session, so a
+    process-group kill would miss them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
