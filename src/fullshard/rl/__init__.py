@@ -11,6 +11,9 @@
 - :func:`send_full` / :func:`send_rows` / :func:`send_deltas` and :func:`receive`: those moved
   over ``torch.distributed`` point-to-point messages between training and inference ranks, as
   tensors on the backend's device (:func:`wire_device`: CUDA under NCCL, the CPU under gloo).
+- :func:`publish_colocated` and :func:`receive_colocated` (``fullshard.rl.colocated``): the
+  full weights handed to an engine process on the same host as whole per-dtype buckets, one
+  IPC handle each (CUDA IPC on GPUs, shared memory on the CPU), viewed there without a copy.
 - :func:`sleep` / :func:`wake` / :func:`asleep` (``fullshard.rl.sleep``): parameters, gradients,
   optimizer state and buffers to host memory and back, bit for bit, in the same tensors;
 - :func:`gathered_for_rollout` (``fullshard.rl.rollout``): a ``generate()`` loop gathers each
@@ -21,6 +24,16 @@
 
 from __future__ import annotations
 
+from .colocated import (
+    BucketEntry,
+    BucketMessage,
+    DistLink,
+    Link,
+    ReceivedBucket,
+    colocated_buckets,
+    publish_colocated,
+    receive_colocated,
+)
 from .delta import DeltaRows, ShardDeltas, decode_xor, encode_xor
 from .names import checkpoint_name, named_weights
 from .receiver import WeightReceiver
@@ -40,7 +53,12 @@ from .wire import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "BucketEntry",
+    "BucketMessage",
     "DeltaRows",
+    "DistLink",
+    "Link",
+    "ReceivedBucket",
     "Receivers",
     "ShardDeltas",
     "ShardRows",
@@ -50,13 +68,16 @@ __all__ = [
     "asleep",
     "backend_device",
     "checkpoint_name",
+    "colocated_buckets",
     "decode_xor",
     "encode_xor",
     "gathered_for_rollout",
     "is_asleep",
     "named_weights",
     "publish",
+    "publish_colocated",
     "receive",
+    "receive_colocated",
     "send_deltas",
     "send_full",
     "send_rows",

@@ -30,7 +30,7 @@ from fullshard.engine import Handle, all_gather, label, states_under
 
 from .names import Geometry, geometry, lead_rank, local_tensor, named_weights
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "ShardRows", "publish", "shard_rows"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Gathered", "ShardRows", "gathered", "publish", "shard_rows"]
 
 #: Default bound of one bucket's gathered bytes (256 MiB).
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -176,17 +176,68 @@ def _issue(bucket: _Bucket, index: int) -> _InFlight:
     return _InFlight(bucket, out, handle)
 
 
-def _full(flight: _InFlight, e: _Entry) -> torch.Tensor:
-    """``e``'s full tensor, from its ranks' pieces in the gathered buffer."""
+def _full(flight: _InFlight, e: _Entry, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``e``'s full tensor, from its ranks' pieces in the gathered buffer: a new tensor, or
+    written into ``out`` (contiguous, of its shape and the wire dtype)."""
     if e.name in flight.whole:
-        return flight.whole.pop(e.name)
+        whole = flight.whole.pop(e.name)
+        return whole if out is None else out.copy_(whole)
     geo = e.geo
     slots = flight.out.view(flight.bucket.world, flight.bucket.slot_numel)
     pieces = [
         slots[r, e.offset : e.offset + geo.rows(r) * geo.row_numel].view(geo.piece_shape(r))
         for r in range(flight.bucket.world)
     ]
+    if out is not None:
+        return out.copy_(pieces[0]) if len(pieces) == 1 else torch.cat(pieces, geo.dim, out=out)
     return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=geo.dim)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """One weight of a publication whose bucket has been gathered (:func:`gathered`): write its
+    full tensor where the consumer wants it, before the iterator moves on."""
+
+    name: str  # checkpoint name
+    shape: torch.Size
+    dtype: torch.dtype  # the wire dtype
+    device: torch.device  # where the gathered buffer (and so the full tensor) lives
+    _flight: _InFlight
+    _entry: _Entry
+
+    def full(self) -> torch.Tensor:
+        """The full tensor, newly allocated."""
+        return _full(self._flight, self._entry)
+
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """The full tensor written into ``out`` (contiguous, of ``shape`` and ``dtype``): one
+        copy from the gathered buffer, none through a temporary."""
+        return _full(self._flight, self._entry, out)
+
+
+def gathered(
+    model: nn.Module, *, dtype: torch.dtype | None, bucket_bytes: int
+) -> Iterator[Gathered]:
+    """What :func:`publish` yields, before the full tensors are made: one :class:`Gathered`
+    per weight, valid until the next one of another bucket ([Note: the publication plan])."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets = _plan(model, dtype, bucket_bytes)
+    pending = _issue(buckets[0], 0) if buckets else None
+    try:
+        for i in range(len(buckets)):
+            assert pending is not None
+            current = pending
+            pending = _issue(buckets[i + 1], i + 1) if i + 1 < len(buckets) else None
+            if current.handle is not None:
+                with label("rl publish: wait", f"bucket {i}"):
+                    current.handle.wait()
+            for e in current.bucket.entries:
+                device = current.out.device
+                yield Gathered(e.name, e.geo.shape, current.bucket.dtype, device, current, e)
+    finally:
+        if pending is not None and pending.handle is not None:
+            pending.handle.wait()
 
 
 def publish(
@@ -211,20 +262,5 @@ def publish(
     ([Note: shard geometry] in ``fullshard.rl.names``). Call it between steps, when the model is
     sharded (not inside forward or backward).
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets = _plan(model, dtype, bucket_bytes)
-    pending = _issue(buckets[0], 0) if buckets else None
-    try:
-        for i in range(len(buckets)):
-            assert pending is not None
-            current = pending
-            pending = _issue(buckets[i + 1], i + 1) if i + 1 < len(buckets) else None
-            if current.handle is not None:
-                with label("rl publish: wait", f"bucket {i}"):
-                    current.handle.wait()
-            for e in current.bucket.entries:
-                yield e.name, _full(current, e)
-    finally:
-        if pending is not None and pending.handle is not None:
-            pending.handle.wait()
+    for g in gathered(model, dtype=dtype, bucket_bytes=bucket_bytes):
+        yield g.name, g.full()

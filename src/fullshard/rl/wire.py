@@ -141,6 +141,7 @@ class SyncReport:
     changed: int = 0  # deltas: elements whose bits changed in this rank's rows
     compressed: bool = False  # deltas: the XOR masks travelled compressed (sent or received)
     device: str = ""  # the wire's device, where the messages' tensors lived ("": none sent)
+    path: str = ""  # "wire" (messages over torch.distributed), "colocated" (IPC buckets)
 
 
 def _cut(
@@ -279,7 +280,7 @@ def send_full(
     """Publish ``model``'s full weights (:func:`fullshard.rl.publish`) and send them from global
     rank ``src`` to every receiver, a message per ``bucket_bytes``. Collective over the
     training ranks: every one of them calls it (the gathers); only ``src`` sends."""
-    report, t0 = SyncReport(), time.perf_counter()
+    report, t0 = SyncReport(path="wire"), time.perf_counter()
     outbox = _Outbox(receivers, bucket_bytes, report) if dist.get_rank() == src else None
     with count_collectives() as stats:
         for name, full in publish(model, dtype=dtype, bucket_bytes=bucket_bytes):
@@ -303,7 +304,7 @@ def send_rows(
     that keep them: no gather. Every training rank calls it; a piece another rank also holds
     (HSDP replicas, weights that are not sharded) is sent by one of them ([Note: one sender
     per piece] in ``fullshard.rl.names``)."""
-    report, t0 = SyncReport(), time.perf_counter()
+    report, t0 = SyncReport(path="wire"), time.perf_counter()
     outbox = _Outbox(receivers, message_bytes, report)
     for rows in shard_rows(model, dtype=dtype):
         if rows.primary and rows.local.numel():
@@ -329,7 +330,7 @@ def send_deltas(
     an accelerator's (NCCL), whose bandwidth outruns zlib: there the masks travel as they are,
     device to device. The report's ``compressed`` says which. One host sync in all: the
     changed-element counts (and, compressing, the masks) come back together."""
-    report, t0 = SyncReport(), time.perf_counter()
+    report, t0 = SyncReport(path="wire"), time.perf_counter()
     outbox = _Outbox(receivers, message_bytes, report)
     report.compressed = outbox.device.type == "cpu" if compress is None else compress
     for d in deltas.delta(to_host=report.compressed):
@@ -395,7 +396,7 @@ def receive(receiver: WeightReceiver, srcs: tuple[int, ...] | list[int]) -> Sync
     """Receive and apply every message from each global rank in ``srcs`` (full buckets, rows or
     deltas; [Note: messages]) until each has sent its last. Each round takes one message from
     every sender still sending, all bodies in flight while the first ones are applied."""
-    report, t0 = SyncReport(), time.perf_counter()
+    report, t0 = SyncReport(path="wire"), time.perf_counter()
     device = wire_device()
     report.device = str(device)
     active = list(srcs)
