@@ -263,6 +263,9 @@ def test_weight_sync_bench_checks_the_receiver() -> None:
     weights = rows["full_tensor"]["messages"]  # one gather and one message per weight
     assert rows["full_tensor"]["collective_calls"] == weights > 2
     assert rows["publish"]["collective_calls"] == 1  # both units in one bucket
+    colocated = rows["colocated"]  # the same gather, one bucket lent through shared memory
+    assert colocated["collective_calls"] == 1 and colocated["messages"] == 1
+    assert colocated["bytes_to_receiver"] == result["numel"] * 2  # every bf16 weight, once
     assert rows["rows"]["collective_calls"] == 0 and rows["delta"]["changed"] > 0
     assert rows["delta_raw"]["changed"] > 0  # raw masks (NCCL's default), bit for bit too
     assert "| publish |" in table(result)

@@ -3,13 +3,17 @@
 The GPT of ``fullshard.models`` is fully sharded (each block a unit, the root the rest) on
 training ranks ``0..N-1`` and trained with AdamW; rank ``N`` holds an inference copy in the
 wire dtype (bf16 by default) as a :class:`fullshard.rl.WeightReceiver`. Each repeat trains one
-step, then syncs the weights five ways, each timed from a barrier of all ranks to the barrier
+step, then syncs the weights six ways, each timed from a barrier of all ranks to the barrier
 after the receiver has applied everything:
 
 - ``full_tensor``: what RL frameworks do today: per weight ``DTensor.full_tensor()`` in the
   training dtype, cast, rank 0 sends it (one all-gather and one message per weight);
 - ``publish``: :func:`fullshard.rl.send_full` (one packed gather per bucket of units, cast
   before the gather, the next bucket in flight; rank 0 sends a message per bucket);
+- ``colocated``: :func:`fullshard.rl.publish_colocated` (the same gathers, straight into
+  per-dtype buckets that rank 0 lends the receiver's process through IPC handles: shared
+  memory on the CPU; the receiver views them in place, loads them and acknowledges; "bytes
+  to receiver" are the buckets' bytes, shared, not sent);
 - ``rows``: :func:`fullshard.rl.send_rows` (every rank sends its own rows: no gather);
 - ``delta``: after one more optimizer step, :func:`fullshard.rl.send_deltas` (each rank's
   compressed XOR masks of what changed since the ``rows`` sync; compressed: gloo's default);
@@ -44,12 +48,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from fullshard import fully_shard
 from fullshard.models import GPT, GPTConfig
 from fullshard.rl import (
+    DistLink,
     Receivers,
     ShardDeltas,
     SyncReport,
     WeightReceiver,
     named_weights,
+    publish_colocated,
     receive,
+    receive_colocated,
     send_deltas,
     send_full,
     send_rows,
@@ -58,7 +65,7 @@ from fullshard.testing import run_distributed
 
 __all__ = ["METHODS", "WeightSyncConfig", "main", "run", "table"]
 
-METHODS = ("full_tensor", "publish", "rows", "delta", "delta_raw")
+METHODS = ("full_tensor", "publish", "colocated", "rows", "delta", "delta_raw")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +138,11 @@ def _trainer(cfg: WeightSyncConfig, group: dist.ProcessGroup) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     bucket = cfg.bucket_mib << 20
+    link = DistLink(cfg.nproc) if dist.get_rank() == 0 else None  # rank 0 lends the buckets
     senders: dict[str, Callable[[], SyncReport]] = {
         "full_tensor": lambda: _per_weight(model, cfg.nproc, dtype),
         "publish": lambda: send_full(model, to, dtype=dtype, bucket_bytes=bucket),
+        "colocated": lambda: publish_colocated(model, link, dtype=dtype, bucket_bytes=bucket),
         "rows": lambda: send_rows(model, to, dtype=dtype),
     }
     deltas = ShardDeltas(model, dtype=dtype)
@@ -158,6 +167,7 @@ def _receiver(cfg: WeightSyncConfig) -> dict[str, Any]:
     dtype = getattr(torch, cfg.dtype)
     receiver = WeightReceiver(GPT(cfg.gpt()).to(dtype))
     trainers = tuple(range(cfg.nproc))
+    link = DistLink(0)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     for _ in range(cfg.repeats):
         for method in METHODS:
@@ -166,6 +176,8 @@ def _receiver(cfg: WeightSyncConfig) -> dict[str, Any]:
                     t.zero_()
             if method == "full_tensor":
                 seconds, report = _timed(lambda: _recv_per_weight(receiver))
+            elif method == "colocated":
+                seconds, report = _timed(lambda: receive_colocated(link, receiver))
             else:
                 srcs = (0,) if method == "publish" else trainers
                 seconds, report = _timed(lambda: receive(receiver, srcs))  # noqa: B023
