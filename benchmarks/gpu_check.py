@@ -22,6 +22,9 @@ Checks, in order (``--only`` takes their keys):
   bit for bit), one ``ShardDeltas`` delta, ``sleep`` / ``wake`` after an AdamW step (seconds,
   ``memory_allocated`` before / asleep / woken, pinned host copy, state bit for bit, the next
   step's loss against a model that never slept) and ``gathered_for_rollout``'s gathers;
+- ``colocated``: the same Llama's weights handed by ``publish_colocated`` to an engine process
+  on the same GPU as bf16 buckets through CUDA IPC handles (ms against ``publish`` into a
+  receiver in-process; the engine's weights bit for bit, every view inside its bucket);
 - ``train``: ``fullshard train --preset llama-1b`` for 30 steps: tokens/s, MFU, step time and
   peak memory beside ``fullshard plan``'s prediction of the same run on an H200.
 
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this 
 
 import torch
 import torch.distributed as dist
+from gpu_check_colocated import check_colocated
 from gpu_check_common import Ctx
 from gpu_check_engines import check_comm_buffers, check_offload, check_parity
 from gpu_check_llama import check_llama
@@ -66,6 +70,7 @@ CHECKS = (
     ("overhead", "per-unit overhead", check_overhead, 30.0),
     ("llama", "Llama 1B", check_llama, 100.0),
     ("rl", "RL weight sync + sleep/wake", check_rl, 40.0),
+    ("colocated", "RL colocated buckets", check_colocated, 20.0),
     ("train", "train --preset llama-1b", check_train, 120.0),
 )
 #: sizes: (on the GPU, under --dry-run); a flag given on the command line wins

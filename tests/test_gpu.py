@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.module import unit_state
@@ -163,3 +167,51 @@ def test_all_reduce_hook_runs_on_its_stream(nccl, kind: str) -> None:
     for p, q in zip(model.parameters(), ref.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad.full_tensor(), 2 * q.grad, atol=1e-5, rtol=1e-4)
+
+
+class _CpuResults(TorchFunctionMode):
+    """Records the torch functions that produce a weight-sized tensor (64 elements or more)
+    in host memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.numel() >= 64:
+            self.hits.append(getattr(func, "__name__", str(func)))
+        return out
+
+
+def test_colocated_buckets_over_cuda_ipc(nccl) -> None:
+    """publish_colocated to an engine process on the same GPU (benchmarks/gpu_check_colocated's
+    engine, over a pipe): one CUDA IPC handle per bf16 bucket, buckets that never leave the
+    device (no tensor in host memory on the trainer's side), every weight the engine loads a
+    view inside its bucket, and its weights equal to ``publish()``'s bit for bit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_check_colocated import _engine_process
+
+    from fullshard.rl import publish, publish_colocated
+
+    model = shard_net(make_net().cuda())
+    _train(model)
+    local = {n: t.clone() for n, t in publish(model, dtype=torch.bfloat16)}
+    proc, conn = _engine_process({n: (tuple(t.shape), t.dtype) for n, t in local.items()})
+    try:
+        conn.send("sync")
+        with _CpuResults() as host:
+            report = publish_colocated(model, conn, dtype=torch.bfloat16, bucket_bytes=1 << 8)
+        seen = conn.recv()
+        conn.send("share")
+        theirs = conn.recv()  # the engine's weights, shared back through CUDA IPC
+        differ = [n for n in local if not torch.equal(theirs[n], local[n])]
+        del theirs
+        conn.send("stop")
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert report.path == "colocated" and report.device == "cuda:0", report
+    assert report.messages == seen["buckets"] > 1 and host.hits == [], (report, host.hits)
+    assert seen["copies"] == [] and seen["devices"] == {"cuda:0"} and differ == [], seen

@@ -107,9 +107,13 @@ def test_the_dry_run_runs_every_check_and_writes_the_report(tmp_path: Path) -> N
         assert any(title in check for check in verdicts), (title, verdicts)
     for title in ("RL weight sync", "RL publish ==", "RL ShardDeltas", "RL sleep/wake", "RL wake"):
         assert any(title in check for check in verdicts), (title, verdicts)
+    for title in ("RL colocated: publish_colocated", "RL colocated: engine == publish()"):
+        assert any(title in check for check in verdicts), (title, verdicts)
     rl = {check: v for check, v in verdicts.items() if check.startswith("RL ")}
-    assert len(rl) == 6 and set(rl.values()) <= {"PASS", "INFO"}, rl
-    assert set(report["details"]) >= {"offload_copy_overlap", "llama_prefetch", "train", "rl"}
+    assert len(rl) == 8 and set(rl.values()) <= {"PASS", "INFO"}, rl
+    assert set(report["details"]) >= {
+        "offload_copy_overlap", "llama_prefetch", "train", "rl", "colocated",
+    }  # fmt: skip
     markdown = (out / "gpu_check.md").read_text()
     assert "| check | fullshard | FSDP2 / plan | verdict | note |" in markdown
     assert all(f"| {r['check']} |" in markdown for r in report["rows"])
