@@ -57,10 +57,11 @@ trainer's stream, so the trainer synchronizes that stream before sending the han
 engine's process cannot wait on the trainer's stream otherwise); (c) the engine synchronizes
 its own stream before acknowledging, so its copies have read the bucket before the trainer
 overwrites it; (d) nothing goes through host memory: the buckets live on the weights' device
-and the messages carry only handles and metadata. The engine's process must see the same
-device (a process on the same GPU, or one with peer access) and the allocator must not use
-``expandable_segments`` (its memory cannot be shared by CUDA IPC). Two processes on one GPU
-cannot talk over NCCL: use a CPU link (a pipe, ZMQ, or :class:`DistLink` on a gloo group).
+and the messages carry only handles and metadata. The handle names the trainer's device by
+its index, so the engine's process must see that device under the same index (the same
+``CUDA_VISIBLE_DEVICES``); where the caching allocator runs with ``expandable_segments``, check
+that your torch shares such memory by CUDA IPC. Two processes on one GPU cannot talk over
+NCCL: use a CPU link (a pipe, ZMQ, or :class:`DistLink` on a gloo group).
 """
 
 from __future__ import annotations
