@@ -162,6 +162,7 @@ def test_the_wire_moves_tensors_on_its_backends_device(sync_ranks: list[dict[str
     for rank, res in enumerate(ranks):
         assert res["wire_device"] == "cpu" and res["wire_tensors"] == ["cpu"], (rank, res)
         assert res["wire_calls"] > 0 and {r.device for r in res["reports"] if r.messages} == {"cpu"}
+        assert {r.path for r in res["reports"]} == {"wire"}, rank  # SyncReport says which way
         assert [r.compressed for r in res["reports"][2:]] == [True, False, True], rank
     for i in range(5):  # a raw delta applies as bit for bit as a compressed one
         _assert_same(ranks[2]["stages"][i], ranks[0]["stages"][i], f"stage {i}")
