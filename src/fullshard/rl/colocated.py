@@ -21,7 +21,11 @@ Messages travel over a :class:`Link` (anything with ``send_bytes`` / ``recv_byte
 ``multiprocessing`` pipe end, a ZMQ socket wrapped in two lines, or :class:`DistLink` over
 ``torch.distributed``); each is a ``ForkingPickler`` byte string, which is what turns a CPU
 bucket's storage into a shared-memory file descriptor (or file name, under the
-``file_system`` sharing strategy) the engine's process can map.
+``file_system`` sharing strategy) the engine's process can map. A descriptor is handed over by
+``multiprocessing``'s resource sharer, which admits only processes of one family (started from
+one parent, sharing its ``authkey``): between unrelated CPU processes (e.g. Ray actors) call
+``torch.multiprocessing.set_sharing_strategy("file_system")`` in both. CUDA handles need
+neither.
 
 Which rank publishes: every training rank gathers (the gathers are collective) and every rank
 given a link hands its own engine the full weights, as verl does on a colocated host (rank
