@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -158,8 +159,13 @@ def _trainer_alone(link: DistLink, alone: dist.ProcessGroup) -> dict[str, Any]:
 
 
 def colocated_world() -> dict[str, Any]:
-    """4 ranks: trainers 0-1, engines 2-3 (see the module's docstring)."""
+    """4 ranks: trainers 0-1, engines 2-3 (see the module's docstring). Pair 0-2 shares CPU
+    buckets by file descriptor (Linux's default), pair 1-3 by file name (``file_system``)."""
     trainers = dist.new_group([0, 1])  # new_group is collective: every rank makes both
     alone = dist.new_group([0])
     rank = dist.get_rank()
-    return _engine(rank) if rank >= 2 else _trainer(rank, trainers, alone)
+    if rank in (1, 3):
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    out = _engine(rank) if rank >= 2 else _trainer(rank, trainers, alone)
+    out["strategy"] = torch.multiprocessing.get_sharing_strategy()
+    return out

@@ -32,8 +32,10 @@ def world() -> list[dict[str, Any]]:
 
 def test_every_trainer_hands_its_engine_the_full_weights(world: list[dict[str, Any]]) -> None:
     """World size 2, every rank its own engine: after each publication (between training
-    steps) each engine's bf16 weights equal the trainers' ``full_tensor()``, bit for bit."""
+    steps) each engine's bf16 weights equal the trainers' ``full_tensor()``, bit for bit (one
+    pair sharing buckets by file descriptor, the other by file name)."""
     trainers, engines = world[:2], world[2:]
+    assert [r["strategy"] for r in world] == ["file_descriptor", "file_system"] * 2
     for i in range(2):
         _assert_same(trainers[1]["stages"][i], trainers[0]["stages"][i], f"round {i}")
         for e, engine in enumerate(engines):
