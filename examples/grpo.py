@@ -6,6 +6,7 @@ rising from chance, 0.06, to about 0.55)::
 
     OMP_NUM_THREADS=1 python examples/grpo.py
     OMP_NUM_THREADS=1 python examples/grpo.py --steps 60 --train-ranks 3 --group 8 --seed 1
+    OMP_NUM_THREADS=1 python examples/grpo.py --sync colocated
 
 or under torchrun (the world is the training ranks and then the inference rank; the world
 size sets ``--train-ranks``)::
@@ -26,6 +27,9 @@ of its tokens that continue the sequence (``a+3d, a+4d, ...``; chance: one in 16
 3. the training ranks send what changed in their own rows (:class:`fullshard.rl.ShardDeltas`,
    :func:`fullshard.rl.send_deltas`, XOR masks of the bf16 bits) and the inference rank applies
    it (:func:`fullshard.rl.receive`). The first sync is full (:func:`fullshard.rl.send_full`).
+   With ``--sync colocated`` every sync instead hands the inference process the full weights as
+   shared-memory buckets (:func:`fullshard.rl.publish_colocated` from rank 0,
+   :func:`fullshard.rl.receive_colocated`): what a trainer and an engine on one host do.
 
 One line per step: the mean reward of its rollouts, the bytes of the delta the training ranks
 sent (after the full weights once, at step 0) and the step's seconds.
@@ -41,7 +45,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -53,11 +59,15 @@ from torch.distributed.tensor import DTensor
 from fullshard import fully_shard
 from fullshard.models import GPT, GPTConfig
 from fullshard.rl import (
+    DistLink,
     Receivers,
     ShardDeltas,
+    SyncReport,
     WeightReceiver,
     named_weights,
+    publish_colocated,
     receive,
+    receive_colocated,
     send_deltas,
     send_full,
 )
@@ -83,6 +93,7 @@ class Config:
     lr: float = 3e-3
     dtype: str = "bfloat16"  # the inference copy's (and the wire's)
     seed: int = 0
+    sync: str = "delta"  # "delta": send_full, then send_deltas; "colocated": publish_colocated
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(
@@ -164,8 +175,15 @@ def _trainer(cfg: Config, group: dist.ProcessGroup) -> dict[str, Any]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    send_full(model, to, dtype=dtype)  # the receiver starts from the trainers' weights
-    deltas = ShardDeltas(model, dtype=dtype)  # the base: what the receiver holds now
+    sync: Callable[[], SyncReport]
+    if cfg.sync == "colocated":  # rank 0 lends the inference process the buckets
+        link = DistLink(cfg.train_ranks) if dist.get_rank() == 0 else None
+        sync = partial(publish_colocated, model, link, dtype=dtype)
+        sync()  # the receiver starts from the trainers' weights
+    else:
+        send_full(model, to, dtype=dtype)  # the receiver starts from the trainers' weights
+        deltas = ShardDeltas(model, dtype=dtype)  # the base: what the receiver holds now
+        sync = partial(send_deltas, deltas, to)
     length = PROMPT_LEN + cfg.new_tokens
     per_rank = cfg.prompts * cfg.group  # this rank's prompts' groups: its share of the batch
     mine = slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
@@ -177,7 +195,7 @@ def _trainer(cfg: Config, group: dist.ProcessGroup) -> dict[str, Any]:
         policy_loss(model, seqs[mine], adv).backward()
         opt.step()
         opt.zero_grad()
-        send_deltas(deltas, to)
+        sync()
     oracle = [(n, cast(DTensor, p).full_tensor().to(dtype)) for n, p in named_weights(model)]
     digests = [_digests(oracle) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(digests, src=0)
@@ -189,23 +207,29 @@ def _inference(cfg: Config) -> dict[str, Any]:
     torch.manual_seed(cfg.seed + 1)  # any weights: the first sync overwrites them all
     policy = GPT(cfg.gpt()).to(dtype).eval()
     receiver = WeightReceiver(policy)
-    full = receive(receiver, srcs=(0,))  # send_full: rank 0 sends
+    trainers = tuple(range(cfg.train_ranks))
+    if cfg.sync == "colocated":
+        link = DistLink(0)
+        receive_sync: Callable[[], SyncReport] = partial(receive_colocated, link, receiver)
+        full = receive_sync()
+    else:
+        receive_sync = partial(receive, receiver, srcs=trainers)
+        full = receive(receiver, srcs=(0,))  # send_full: rank 0 sends
     print(f"step   0  full weights {full.bytes_received / 1024:.1f} KiB", flush=True)
     gen = torch.Generator().manual_seed(cfg.seed)
-    trainers = tuple(range(cfg.train_ranks))
     history: list[dict[str, float]] = []
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         seqs = sample(policy, make_prompts(cfg, step), cfg, gen)
         reward = rewards(seqs, cfg)
         _exchange(cfg, seqs, reward)
-        sync = receive(receiver, srcs=trainers)  # the trainers' deltas, applied bit for bit
-        row = {"step": step, "reward": reward.mean().item(), "delta_bytes": sync.bytes_received}
+        sync = receive_sync()  # the trainers' deltas (or buckets), applied bit for bit
+        row = {"step": step, "reward": reward.mean().item(), "sync_bytes": sync.bytes_received}
         row["seconds"] = time.perf_counter() - t0
         history.append(row)
         print(
-            f"step {step:3d}  reward {row['reward']:.3f}  delta {sync.bytes_received / 1024:7.1f} "
-            f"KiB  {row['seconds']:.2f} s",
+            f"step {step:3d}  reward {row['reward']:.3f}  {cfg.sync} "
+            f"{sync.bytes_received / 1024:7.1f} KiB  {row['seconds']:.2f} s",
             flush=True,
         )
     digests: list[Any] = [None]
@@ -215,6 +239,7 @@ def _inference(cfg: Config) -> dict[str, Any]:
     return {
         "history": history,
         "full_bytes": full.bytes_received,
+        "path": sync.path,
         "weights_equal": not differ,
         "differ": differ,
     }
@@ -261,6 +286,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None]:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-stride", type=int, default=d.max_stride)
+    p.add_argument("--sync", choices=("delta", "colocated"), default=d.sync)
     p.add_argument("--out", help="write the result (history, weight check) as JSON here")
     a = p.parse_args(argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: the world is given
@@ -269,7 +295,17 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None]:
         p.error("--train-ranks, --steps, --prompts, --max-stride >= 1 and --group >= 2")
     if a.max_stride >= Config.vocab:
         p.error(f"--max-stride must be below the vocabulary ({Config.vocab})")
-    fields = ("steps", "train_ranks", "group", "prompts", "lr", "dtype", "seed", "max_stride")
+    fields = (
+        "steps",
+        "train_ranks",
+        "group",
+        "prompts",
+        "lr",
+        "dtype",
+        "seed",
+        "max_stride",
+        "sync",
+    )
     return Config(**{f: getattr(a, f) for f in fields}), a.out
 
 
