@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from fullshard.rl import BucketMessage, SyncReport, colocated_buckets, receive_colocated
+from fullshard.rl import (
+    BucketMessage,
+    SyncReport,
+    colocated_buckets,
+    publish_colocated,
+    receive_colocated,
+)
 from fullshard.testing import run_distributed
 
 pytest.importorskip("transformers")
@@ -110,7 +116,10 @@ class _Pipe:
         return self.incoming.pop(0)
 
 
-def test_receiver_side_errors_name_the_fix() -> None:
+def test_bad_input_errors_name_the_fix() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"buffers \(0\) must be positive"):
+        publish_colocated(model, _Pipe([]), buffers=0)
     with pytest.raises(ValueError, match="give a WeightReceiver, a load callback, or both"):
         receive_colocated(_Pipe([]))
     with pytest.raises(TypeError, match="expected a BucketMessage, got dict"):
