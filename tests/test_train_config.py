@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -145,7 +146,24 @@ def test_bad_ft_values_fail_fast(
     _fails(
         [*ft, "--ft-replicas", "3", "--nproc", "1"], capsys, "--ft-replicas x ranks", "3 x 2 = 6"
     )
+    serve = ["--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--ft-serve-lighthouse"]
+    _fails(serve, capsys, "--ft-serve-lighthouse needs --ft-lighthouse HOST:PORT")
+    _fails([*serve, "--ft-lighthouse", "nohost"], capsys, "'nohost' is not HOST:PORT")
     assert no_launch == []
+
+
+def test_served_lighthouse_on_a_busy_port_names_it(
+    tmp_path: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]')")
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.bind(("::", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--nproc", "1"]
+        args += ["--ft-lighthouse", f"127.0.0.1:{port}", "--ft-serve-lighthouse"]
+        _fails(args, capsys, f"--ft-serve-lighthouse could not serve port {port}", "free port")
+    assert no_launch == []  # the launch never ran
 
 
 def test_bad_flag_exits_before_spawning(tmp_path: Path) -> None:

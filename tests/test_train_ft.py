@@ -1,6 +1,7 @@
 """``fullshard train --ft-lighthouse``: two replica groups of the real trainer under torchft.
 
-Two ``fullshard train`` launches (1 CPU rank each) join a lighthouse this test starts. One is
+Two ``fullshard train`` launches (1 CPU rank each) join a lighthouse this test starts (or, with
+2 ranks each, the one the first launch serves: ``--ft-serve-lighthouse``). One is
 SIGKILLed mid-run (its launcher, agent and worker); the other trains on alone, never
 restarted, skipping the dead group's rows (which its metrics name); the killed one is started
 again and heals live from the survivor. Every committed step appears once in the survivor's
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fullshard.testing import process_tree
+from fullshard.testing import free_port, process_tree
 from fullshard.train import data as data_mod
 from fullshard.train.launch import package_root
 from fullshard.train.metrics import read_metrics
@@ -37,17 +38,21 @@ BATCH, SEQ, CKPT_EVERY = 8, 32, 10
 class Job:
     """The lighthouse (in this process) and one ``fullshard train`` launch per replica group."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, nproc: int = 1, served: bool = False) -> None:
         from torchft._torchft import LighthouseServer
 
-        self.root = root
+        self.root, self.nproc, self.served = root, nproc, served
         self.data = root / "data.txt"
         rng = np.random.default_rng(0)
         words = ["def", "return", "self", "x", "=", "+", "(", ")", ":", "\n", "    ", "for"]
         self.data.write_text(" ".join(rng.choice(words, 40_000)))
-        self.lighthouse = LighthouseServer(
-            bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000
-        )
+        self.lighthouse: Any = None  # served by replica group 0's launch
+        self.address = f"127.0.0.1:{free_port()}"
+        if not served:
+            self.lighthouse = LighthouseServer(
+                bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000
+            )
+            self.address = self.lighthouse.address()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def run_dir(self, replica: int) -> Path:
@@ -55,14 +60,16 @@ class Job:
 
     def start(self, replica: int) -> None:
         args = [
-            *("--preset", "tiny", "--device", "cpu", "--nproc", "1", "--data", str(self.data)),
+            *("--preset", "tiny", "--device", "cpu", "--nproc", str(self.nproc)),
+            *("--data", str(self.data)),
             *("--seq-len", str(SEQ), "--global-batch", str(BATCH), "--micro-batch", "2"),
             *("--max-steps", "100000", "--warmup-steps", "0", "--eval-every", "0"),
             *("--ckpt-every", str(CKPT_EVERY), "--keep-last", "0", "--sample-tokens", "0"),
             *("--progress", "plain", "--log-every", "1000", "--max-restarts", "0"),
             *("--collective-timeout", "30", "--run-dir", str(self.run_dir(replica))),
-            *("--ft-lighthouse", self.lighthouse.address(), "--ft-replicas", "2"),
+            *("--ft-lighthouse", self.address, "--ft-replicas", "2"),
             *("--ft-replica-id", str(replica)),
+            *(["--ft-serve-lighthouse"] if self.served and replica == 0 else []),
         ]
         paths = [str(package_root()), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
@@ -74,6 +81,8 @@ class Job:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        if self.served and replica == 0:  # the other group joins once it serves
+            self.wait_for("the lighthouse", lambda: "serving the torchft" in self.output(0))
 
     def kill(self, replica: int) -> None:
         """SIGKILL the launch: its launcher, agent and worker."""
@@ -98,7 +107,8 @@ class Job:
     def close(self) -> None:
         for replica in list(self.procs):
             self.kill(replica)
-        self.lighthouse.shutdown()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
 
     def output(self, replica: int) -> str:
         lines = (self.root / f"out_{replica}").read_text(errors="replace").splitlines()
@@ -126,8 +136,13 @@ def _quorum_steps(job: Job, replica: int, quorum: int) -> list[int]:
     ]
 
 
-def test_kill_one_replica_group_survivor_trains_on_restarted_heals(tmp_path: Path) -> None:
-    job = Job(tmp_path)
+@pytest.mark.parametrize(
+    "nproc, served", [(1, False), (2, True)], ids=["1-rank-groups", "2-rank-groups-served"]
+)
+def test_kill_one_replica_group_survivor_trains_on_restarted_heals(
+    tmp_path: Path, nproc: int, served: bool
+) -> None:
+    job = Job(tmp_path, nproc, served)
     try:
         job.start(0)
         job.start(1)

@@ -189,6 +189,13 @@ def main(folder: str) -> None:
         load_state_dict=None,
         state_dict=None,
         min_replica_size=1,
+        # Every engine builds its model from one seed, so step 0 needs no weight sync. With it,
+        # torchft heals each rank of a replica group from a different group at step 0 (the
+        # source is assigned round-robin by group rank) and the step's gradient is then one
+        # group's on some shards and the other's on the rest: which elements come from which
+        # group depends on the shard layout, so torch FSDP1's flat shards would end up with
+        # another gradient than the FSDP2 layout of the other three engines (2026-12-07).
+        init_sync=False,
         replica_id=f"ft_{replica}",
         timeout=timedelta(seconds=10),
         quorum_timeout=timedelta(seconds=30),

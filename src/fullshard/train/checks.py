@@ -345,6 +345,10 @@ def validate(
             raise ConfigError(str(e)) from None
     if cfg.ft_lighthouse and importlib.util.find_spec("torchft") is None:
         raise ConfigError("--ft-lighthouse needs torchft: pip install 'fullshard[ft]' (Linux)")
+    if cfg.ft_serve_lighthouse:
+        from fullshard.train.lighthouse import lighthouse_port
+
+        lighthouse_port(cfg.ft_lighthouse)
     n_tokens, data_vocab, pending = _check_data(cfg)
     n_params = _check_model(cfg, world_size, data_vocab)
     if fresh_launch:

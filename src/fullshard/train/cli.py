@@ -70,6 +70,7 @@ examples:
   fullshard train --hf-model ./my-llama --data chat.jsonl --lr 2e-5 --tensorboard
   fullshard train --nproc 1 --ft-lighthouse HOST:29510 --ft-replica-id 0 --run-dir runs/ft0
       # one torchft replica group of 2 (--ft-replicas); replica 1 likewise, with its own run dir
+      # (--ft-serve-lighthouse on one of them serves HOST:29510 from that launch)
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       --rdzv-id myrun -m fullshard.train.worker --preset gpt2-124m --run-dir /shared/runs/g
 """
@@ -255,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fullshard.train import checks
     from fullshard.train.launch import launch
+    from fullshard.train.lighthouse import served_lighthouse
 
     nproc = cfg.nproc or checks.default_nproc(cfg)
     try:
@@ -274,14 +276,19 @@ def main(argv: list[str] | None = None) -> int:
         f"config in {config_path}",
         flush=True,
     )
-    return launch(
-        config_path,
-        run_dir=run_dir,
-        nproc=nproc,
-        max_restarts=cfg.max_restarts,
-        stop_timeout=cfg.stop_timeout,
-        on_cuda=checks.uses_cuda(cfg),
-    )
+    try:
+        with served_lighthouse(cfg):
+            return launch(
+                config_path,
+                run_dir=run_dir,
+                nproc=nproc,
+                max_restarts=cfg.max_restarts,
+                stop_timeout=cfg.stop_timeout,
+                on_cuda=checks.uses_cuda(cfg),
+            )
+    except ConfigError as e:
+        print(f"fullshard train: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -193,6 +193,11 @@ class TrainConfig:
     fault-tolerant job (pip install 'fullshard[ft]'); the groups average gradients through
     torchft, a failed group drops out while the others train on, a restarted one heals live.
     Empty: off (checkpoint-and-restart only)."""
+    ft_serve_lighthouse: bool = False
+    """Serve the lighthouse at --ft-lighthouse's port from this launch (its launcher process,
+    for as long as it runs; the other groups join HOST:PORT). Convenient for small jobs: if this
+    launch's machine dies the job stops, so large jobs run torchft_lighthouse on a host of its
+    own. Off: join a lighthouse that runs already."""
     ft_replica_id: int = 0
     """This replica group's number, from 0 to --ft-replicas - 1 (with --ft-lighthouse); it picks
     the group's rows of each global batch."""
@@ -275,6 +280,11 @@ class TrainConfig:
         _require(self, "ft_replicas", self.ft_replicas >= 1, "a positive integer")
         _require(self, "ft_replica_id", self.ft_replica_id >= 0, "zero or a positive integer")
         if not self.ft_lighthouse:
+            if self.ft_serve_lighthouse:
+                raise ConfigError(
+                    "--ft-serve-lighthouse needs --ft-lighthouse HOST:PORT (the address the "
+                    "other replica groups join; this launch serves its port)"
+                )
             return
         if self.ft_replica_id >= self.ft_replicas:
             raise ConfigError(

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from fullshard import FSDPModule
 from fullshard.train import data as data_mod
 from fullshard.train.config import ConfigError, TrainConfig
+from fullshard.train.lighthouse import lighthouse_url
 from fullshard.train.optim import set_ns_dtype
 from fullshard.train.session import DistEnv, TrainingRun, _grad_norm_and_clip
 
@@ -94,7 +95,7 @@ def _manager(cfg: TrainConfig, env: DistEnv, load: Any, save: Any) -> Any:
         min_replica_size=1,
         use_async_quorum=False,  # a restarted group heals before its first forward
         replica_id=f"fullshard_{cfg.ft_replica_id}",
-        lighthouse_addr=cfg.ft_lighthouse,
+        lighthouse_addr=lighthouse_url(cfg.ft_lighthouse),  # HOST:PORT works too
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,
