@@ -37,6 +37,7 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 from torch.distributed.fsdp.wrap import wrap as wrap_module
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fullshard
@@ -396,6 +397,54 @@ def test_sync_module_states_broadcasts_in_buckets() -> None:
         assert out[f"{BROADCAST_BUCKET_BYTES}/contiguous"] is False, (rank, out)
         for key in (BROADCAST_BUCKET_BYTES, 64):
             assert out[f"{key}/dtypes"]["low.weight"] == torch.bfloat16, out
+
+
+def _our_step_hooks() -> int:
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    return sum(
+        getattr(h, "__module__", "") == "fullshard.fsdp1.orig_params"
+        for h in _global_optimizer_pre_hooks.values()
+    )
+
+
+def _hook_cases() -> dict[str, Any]:
+    """An optimizer built before wrapping steps the wrapped model through the hook, which is
+    there until it has swapped the originals out (twice: it comes back); wrapping with
+    nothing holding the originals leaves no hook."""
+    out: dict[str, Any] = {"before": _our_step_hooks()}
+    wrapped = wrap("fullshard", model=make_net())
+    out["no optimizer yet"] = _our_step_hooks()
+    for round_ in range(2):
+        model = make_net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # holds the originals
+        wrapped = wrap("fullshard", model=model)
+        out[f"{round_}/wrapped"] = _our_step_hooks()
+        before = full_state(wrapped)
+        loss_of(wrapped, *batch(0)).backward()
+        opt.step()
+        out[f"{round_}/stepped"] = max_diff(full_state(wrapped), before) > 0
+        out[f"{round_}/swapped"] = [type(p) for g in opt.param_groups for p in g["params"]]
+        out[f"{round_}/after"] = _our_step_hooks()
+        loss_of(wrapped, *batch(1)).backward()
+        opt.step()  # and steps on without it
+        out[f"{round_}/stepped again"] = max_diff(full_state(wrapped), before) > 0
+    return out
+
+
+def test_the_optimizer_hook_lives_only_while_it_is_needed() -> None:
+    """The global step pre-hook that swaps the wrapped parameters into an optimizer built
+    before wrapping is installed by a wrapper that replaced parameters and removed once no
+    replaced parameter is left (it used to stay for the life of the process): at once when
+    nothing held them, after the early optimizer's first step otherwise, which trains the
+    wrapped model as before."""
+    out = run_distributed(_hook_cases, 2)[0]
+    assert out["before"] == 0 and out["no optimizer yet"] == 0, out
+    for round_ in range(2):
+        assert out[f"{round_}/wrapped"] == 1, out
+        assert out[f"{round_}/stepped"] and out[f"{round_}/stepped again"], out
+        assert set(out[f"{round_}/swapped"]) == {DTensor}, out
+        assert out[f"{round_}/after"] == 0, out
 
 
 # ----------------------------------------------------------------- the wrapper's own API
