@@ -42,7 +42,6 @@ __all__ = [
 
 _REPLACED = WeakIdKeyDictionary()  # a replaced parameter -> the one that replaced it
 _HOOK: list[RemovableHandle] = []  # the global step pre-hook, while installed
-_LIVE = [0]  # replaced parameters still alive (each one's finalizer counts down)
 _STEPPING = [False]  # the hook runs: torch loops over the hooks, none may be removed
 _AFTER = WeakIdKeyDictionary()  # optimizers given the post-hook that removes the hook
 
@@ -61,24 +60,29 @@ def record_replaced(before: dict[str, nn.Parameter], wrapper: nn.Module) -> None
         if new is None or new is old:
             continue
         if old not in _REPLACED:
-            _LIVE[0] += 1
             weakref.finalize(old, _released)
         _REPLACED[old] = new
         old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-    if _LIVE[0] and not _HOOK:
+    if len(_REPLACED):
+        _install_hook()
+
+
+def _install_hook() -> None:
+    if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
 def _released() -> None:
     """A replaced parameter was collected: remove the hook if it was the last one, unless the
     hook is running (then the optimizer's post-hook does, see the module's docstring)."""
-    _LIVE[0] -= 1
     if not _STEPPING[0]:
         _remove_if_unneeded()
 
 
 def _remove_if_unneeded(*_: Any) -> None:
-    if not _LIVE[0] and _HOOK:
+    """Remove the hook if no replaced parameter is alive (a dead one's entry may not be gone
+    from ``_REPLACED`` yet, but iterating yields live ones only)."""
+    if _HOOK and next(iter(_REPLACED.keys()), None) is None:
         _HOOK.pop().remove()
 
 
