@@ -1,8 +1,8 @@
 """Small training runs under the stream checker, one per kind of stream work the engine does;
-``python -m stream_cases`` prints, as one JSON line, each case's first unordered accesses (or
-the error that stopped it). ``tests/test_stream_mutations.py`` runs it against copies of
-``src/`` with one stream call changed ([Note: the stream interface] in
-fullshard.engine.streams)."""
+``python -m stream_cases`` prints, as one JSON line, every rank's report: per case, its first
+unordered accesses and the error that stopped it (``None`` if it ran to the end).
+``tests/test_stream_mutations.py`` runs it against copies of ``src/`` with one stream call
+changed ([Note: the stream interface] in fullshard.engine.streams)."""
 
 from __future__ import annotations
 
@@ -110,15 +110,16 @@ def _case(name: str) -> list[str]:
     return checker.violations[:3]
 
 
-def run_cases() -> dict[str, list[str]]:
-    out = {}
+def run_cases() -> dict[str, dict[str, Any]]:
+    """Per case: ``violations`` (the checker's first three) and ``error`` (what stopped it)."""
+    out: dict[str, dict[str, Any]] = {}
     for name in CASES:
         try:
-            out[name] = _case(name)
-        except Exception as e:  # a mutation may break the engine outright: noticed too
-            out[name] = [f"error: {type(e).__name__}: {e}"]
+            out[name] = {"violations": _case(name), "error": None}
+        except Exception as e:  # a crash, reported as one: the checker did not notice it
+            out[name] = {"violations": [], "error": f"{type(e).__name__}: {e}"}
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_distributed(run_cases, 2, timeout=300)[0]))
+    print(json.dumps(run_distributed(run_cases, 2, timeout=300)))

@@ -5,6 +5,7 @@ factor on one rank, the process-group allocator knob on CPU, ``dp_mesh_dims`` me
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from fullshard import CommPolicy, fully_shard
+from fullshard.engine.backend import CPU_CHOICES
 from fullshard.engine.compat import DP_MESH_DIMS, TORCH_VERSION, DataParallelMeshDims
 from fullshard.testing import run_distributed
 from test_composition_extra import _GatherExt
@@ -240,11 +242,17 @@ class _WithRoot(nn.Module):
 
 
 def _comm_debug_mode(shard: Callable[..., Any]) -> dict[str, Any]:
-    """torch's CommDebugMode counts the collectives of a forward and of a backward; the
-    engine runs FSDP2's collectives while it is active (sizes above and below the CPU
-    path's thresholds, resharding after forward or not)."""
+    """torch's CommDebugMode counts the collectives of a forward and of a backward: on the
+    core path (every CPU fast path off: what CUDA runs), the engine's are FSDP2's (sizes above
+    and below the fast paths' thresholds, resharding after forward or not). The fast paths'
+    counts differ, as what ran differs (README, "torch's debugging tools";
+    tests/test_observed.py)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
+    if shard is fully_shard:
+        shard = functools.partial(
+            fully_shard, comm_policy=CommPolicy(cpu_fast_paths_off=CPU_CHOICES)
+        )
     out: dict[str, Any] = {}
     for raf in (True, False):
         model = _WithRoot()

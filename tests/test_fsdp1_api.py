@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as tfsdp
+from torch import nn
 from torch.distributed.algorithms._comm_hooks.default_hooks import (
     DefaultState,
     reduce_scatter_hook,
@@ -36,6 +37,8 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 from torch.distributed.fsdp.wrap import wrap as wrap_module
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fullshard
 from fsdp1_cases import (
@@ -56,6 +59,7 @@ from fsdp1_cases import (
 )
 from fullshard import count_collectives
 from fullshard.fsdp1 import FullyShardedDataParallel as OurFSDP
+from fullshard.fsdp1.materialize import BROADCAST_BUCKET_BYTES, sync_module_states
 from fullshard.testing import run_distributed
 
 S = ShardingStrategy
@@ -325,6 +329,122 @@ def test_meta_init_ignored_states_and_sync_module_states() -> None:
             assert marked == out[f"{how}/marked/torch"], (how, marked)
             assert not marked["head.weight"] and marked["embed.weight"], (how, marked)
         assert out["sync_module_states"] == 0.0
+
+
+class _MixedStates(nn.Module):
+    """fp32 and bf16 parameters (one not contiguous, one tied), int64 and bool buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.low = nn.Linear(DIM, 3).to(torch.bfloat16)
+        self.turned = nn.Parameter(torch.randn(5, 3).t())  # not contiguous
+        self.tied = self.lin.weight
+        self.register_buffer("steps", torch.randint(0, 1000, (7,)))
+        self.register_buffer("mask", torch.rand(6) > 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _mixed(seed: int) -> _MixedStates:
+    torch.manual_seed(seed)
+    return _MixedStates()
+
+
+class _Broadcasts(TorchDispatchMode):
+    """Counts the c10d broadcasts dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += str(func.overloadpacket) == "c10d.broadcast_"
+        return func(*args, **(kwargs or {}))
+
+
+def _sync_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    want = {k: v.clone() for k, v in _mixed(0).state_dict().items()}
+    for bucket_bytes in (BROADCAST_BUCKET_BYTES, 64):  # 64: more buckets, each under 64 bytes
+        model = _mixed(dist.get_rank())
+        with _Broadcasts() as seen:
+            sync_module_states(list(model.modules()), mesh, bucket_bytes=bucket_bytes)
+        out[bucket_bytes] = (seen.count, max_diff(model.state_dict(), want))
+        out[f"{bucket_bytes}/dtypes"] = {k: v.dtype for k, v in model.state_dict().items()}
+        out[f"{bucket_bytes}/contiguous"] = model.turned.is_contiguous()
+    with _Broadcasts() as seen:  # through the wrapper: one unit, its own tensors
+        synced = OurFSDP(_mixed(dist.get_rank()), device_id=CPU, sync_module_states=True)
+    out["wrapper"] = (seen.count, max_diff(full_state(synced), want))
+    return out
+
+
+def test_sync_module_states_broadcasts_in_buckets() -> None:
+    """``sync_module_states`` leaves every rank with rank 0's parameters and buffers (mixed
+    dtypes, a tensor that is not contiguous, a tied one) in one broadcast per dtype (fp32,
+    bf16, int64, bool) rather than one per tensor; a smaller bucket size cuts them into more
+    broadcasts with the same values."""
+    for rank, out in enumerate(run_distributed(_sync_cases, 2)):
+        count, diff = out[BROADCAST_BUCKET_BYTES]
+        assert (count, diff) == (4, 0.0), (rank, out)
+        small_count, small_diff = out[64]
+        # fp32: turned (60 B), the tied weight (400 B), bias (40 B); bf16: weight (60 B), bias
+        # (6 B); int64 and bool one each
+        assert small_diff == 0.0 and small_count == 3 + 2 + 1 + 1, (rank, out)
+        assert out["wrapper"] == (4, 0.0), (rank, out)
+        assert out[f"{BROADCAST_BUCKET_BYTES}/contiguous"] is False, (rank, out)
+        for key in (BROADCAST_BUCKET_BYTES, 64):
+            assert out[f"{key}/dtypes"]["low.weight"] == torch.bfloat16, out
+
+
+def _our_step_hooks() -> int:
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    return sum(
+        getattr(h, "__module__", "") == "fullshard.fsdp1.orig_params"
+        for h in _global_optimizer_pre_hooks.values()
+    )
+
+
+def _hook_cases() -> dict[str, Any]:
+    """An optimizer built before wrapping steps the wrapped model through the hook, which is
+    there until it has swapped the originals out (twice: it comes back); wrapping with
+    nothing holding the originals leaves no hook."""
+    out: dict[str, Any] = {"before": _our_step_hooks()}
+    wrapped = wrap("fullshard", model=make_net())
+    out["no optimizer yet"] = _our_step_hooks()
+    for round_ in range(2):
+        model = make_net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # holds the originals
+        wrapped = wrap("fullshard", model=model)
+        out[f"{round_}/wrapped"] = _our_step_hooks()
+        before = full_state(wrapped)
+        loss_of(wrapped, *batch(0)).backward()
+        opt.step()
+        out[f"{round_}/stepped"] = max_diff(full_state(wrapped), before) > 0
+        out[f"{round_}/swapped"] = [type(p) for g in opt.param_groups for p in g["params"]]
+        out[f"{round_}/after"] = _our_step_hooks()
+        loss_of(wrapped, *batch(1)).backward()
+        opt.step()  # and steps on without it
+        out[f"{round_}/stepped again"] = max_diff(full_state(wrapped), before) > 0
+    return out
+
+
+def test_the_optimizer_hook_lives_only_while_it_is_needed() -> None:
+    """The global step pre-hook that swaps the wrapped parameters into an optimizer built
+    before wrapping is installed by a wrapper that replaced parameters and removed once no
+    replaced parameter is left (it used to stay for the life of the process): at once when
+    nothing held them, after the early optimizer's first step otherwise, which trains the
+    wrapped model as before."""
+    out = run_distributed(_hook_cases, 2)[0]
+    assert out["before"] == 0 and out["no optimizer yet"] == 0, out
+    for round_ in range(2):
+        assert out[f"{round_}/wrapped"] == 1, out
+        assert out[f"{round_}/stepped"] and out[f"{round_}/stepped again"], out
+        assert set(out[f"{round_}/swapped"]) == {DTensor}, out
+        assert out[f"{round_}/after"] == 0, out
 
 
 # ----------------------------------------------------------------- the wrapper's own API

@@ -2,7 +2,8 @@
 interface] in fullshard.engine.streams): each ``wait_stream`` / ``wait_event`` /
 ``record_event`` / ``synchronize`` line in ``src/`` (found by parsing, so a new one is
 covered), deleted or turned around on a copy of ``src/``, makes a case of ``stream_cases``
-report an unordered access or fail. Also: no engine module but ``streams.py`` names CUDA's
+report an unordered access on some rank, with no case on any rank crashing (a crash is not the
+checker noticing). Also: no engine module but ``streams.py`` names CUDA's
 stream API."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +66,16 @@ def _stream_lines() -> list[tuple[str, int, str]]:
     return found
 
 
+def _deleted(line: str) -> str:
+    """``line`` without its stream call: ``pass``, or for an assignment (an event kept for
+    later) the target assigned ``None``, what the code holds where no event was recorded."""
+    indent, stmt = line[: len(line) - len(line.lstrip())], line.strip()
+    node = ast.parse(stmt).body[0]
+    if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+        return indent + stmt[: node.value.col_offset] + "None"
+    return indent + "pass"
+
+
 def _mutations() -> list[tuple[str, str, str, str]]:
     """(file, old text, new text, description): each stream line deleted, each
     ``a.wait_stream(b)`` also turned into ``b.wait_stream(a)``, and the EXTRA edits."""
@@ -71,7 +83,7 @@ def _mutations() -> list[tuple[str, str, str, str]]:
     for rel, lineno, call in _stream_lines():
         line = (SRC / rel).read_text().splitlines()[lineno - 1]
         indent = line[: len(line) - len(line.lstrip())]
-        out.append((rel, line, indent + "pass", f"{rel}:{lineno} {call} deleted"))
+        out.append((rel, line, _deleted(line), f"{rel}:{lineno} {call} deleted"))
         stmt = line.strip().split("#")[0].strip()
         if call == "wait_stream" and stmt.endswith(")") and ".wait_stream(" in stmt:
             waiter, waited = stmt[:-1].split(".wait_stream(", 1)
@@ -81,7 +93,10 @@ def _mutations() -> list[tuple[str, str, str, str]]:
     return out
 
 
-def _run(src: Path) -> dict[str, list[str]]:
+def _run(src: Path) -> list[dict[str, dict[str, Any]]]:
+    """Every rank's report of ``python -m stream_cases`` against ``src``: per case, the
+    ``violations`` and the ``error``; a process that failed is one rank with a ``process``
+    case that errored."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(src), str(ROOT / "tests"), str(ROOT / "benchmarks")])
     proc = subprocess.run(
@@ -93,8 +108,27 @@ def _run(src: Path) -> dict[str, list[str]]:
         timeout=300,
     )
     if proc.returncode != 0:
-        return {"process": [f"exit {proc.returncode}: {proc.stderr[-300:]}"]}
+        error = f"exit {proc.returncode}: {proc.stderr[-300:]}"
+        return [{"process": {"violations": [], "error": error}}]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _crashes(ranks: list[dict[str, dict[str, Any]]]) -> list[str]:
+    return [
+        f"rank {r} {case}: {out['error']}"
+        for r, cases in enumerate(ranks)
+        for case, out in cases.items()
+        if out["error"] is not None
+    ]
+
+
+def _noticed(ranks: list[dict[str, dict[str, Any]]]) -> list[str]:
+    return [
+        f"rank {r} {case}: {v}"
+        for r, cases in enumerate(ranks)
+        for case, out in cases.items()
+        for v in out["violations"]
+    ]
 
 
 def test_the_stream_lines_are_found() -> None:
@@ -105,8 +139,21 @@ def test_the_stream_lines_are_found() -> None:
 
 
 def test_unmutated_cases_are_clean() -> None:
-    result = _run(ROOT / "src")
-    assert result == {case: [] for case in result} and "process" not in result, result
+    ranks = _run(ROOT / "src")
+    assert len(ranks) == 2, ranks
+    assert not _crashes(ranks) and not _noticed(ranks), ranks
+
+
+def test_a_crash_is_not_a_notice_and_every_rank_counts() -> None:
+    """How a mutated run is judged: a violation on any rank is noticed; an error on any rank
+    is a crash, never a notice."""
+    clean = {"packed": {"violations": [], "error": None}}
+    seen = {"packed": {"violations": ["unordered read"], "error": None}}
+    crashed = {"packed": {"violations": [], "error": "AttributeError: _event"}}
+    assert _noticed([clean, seen]) == ["rank 1 packed: unordered read"]
+    assert not _crashes([clean, seen]) and not _noticed([clean, clean])
+    assert _crashes([clean, crashed]) == ["rank 1 packed: AttributeError: _event"]
+    assert not _noticed([crashed, crashed])
 
 
 @pytest.mark.parametrize("mutation", _mutations(), ids=lambda m: m[3])
@@ -117,8 +164,10 @@ def test_each_stream_line_is_needed(mutation: tuple[str, str, str, str], tmp_pat
     text = (copy / rel).read_text()
     assert text.count(old) == 1, f"{what}: {old!r} is not one line of {rel}"
     (copy / rel).write_text(text.replace(old, new))
-    result = _run(tmp_path / "src")
-    assert any(result.values()), f"{what} went unnoticed: {result}"
+    ranks = _run(tmp_path / "src")
+    crashes = _crashes(ranks)
+    assert not crashes, f"{what} crashed instead of being reported: {crashes}"
+    assert _noticed(ranks), f"{what} went unnoticed on every rank: {ranks}"
 
 
 def test_only_streams_py_names_cuda_streams() -> None:

@@ -136,3 +136,28 @@ def test_a_free_the_code_did_not_announce_is_checked() -> None:
         frees = [v for v in checker.violations if "free (resize_(0))" in v]
         assert (frees == []) == wait, checker.violations
     assert torch.UntypedStorage.resize_ is _RESIZE  # put back on exit
+
+
+def test_a_new_storage_at_a_dead_ones_address_starts_clean() -> None:
+    """Storages are told apart by their address, which a storage deallocated (its last tensor
+    gone) may leave to a new one: the new storage has no history, so writing it on another
+    stream is no violation (it once made the stream cases report a race now and then); the
+    storage still alive keeps its history."""
+    side = LogicalStream("side")
+    with check_streams() as checker:
+        old = torch.ones(1024)
+        address = old.untyped_storage()._cdata
+        with on_logical(side):
+            old.sum()  # the side stream reads it, then it is gone
+        del old
+        kept, new = [], torch.zeros(1024)
+        while new.untyped_storage()._cdata != address and len(kept) < 1000:
+            kept.append(new)  # another address: keep it so the next tries elsewhere
+            new = torch.zeros(1024)
+        assert new.untyped_storage()._cdata == address, "no storage reused the address"
+        new.fill_(1.0)  # written on the compute stream, unordered with the dead one's read
+        assert checker.violations == [], checker.violations
+        with on_logical(side):
+            new.sum()
+        new.fill_(2.0)  # the same storage, still alive: unordered with its read, reported
+    assert any("writes a storage that 'side' read" in v for v in checker.violations), checker

@@ -23,8 +23,16 @@ Byte accounting ("bytes on the wire" as the ZeRO papers count them): an all-gath
 full output, a reduce-scatter its full input, an all-reduce its tensor. With this convention
 ZeRO-3 moves 3 x parameter bytes per step (two all-gathers and one reduce-scatter).
 
-What torch's ``CommDebugMode`` and profiler see of these is [Note: collectives under torch's
-tools] in ``fullshard.engine.observed``: the same path runs whether or not they watch.
+[Note: collectives under torch's tools]
+``CommDebugMode``, the profiler and the stream checker see what runs: the engine takes the
+same path whether or not one watches, and touches none of their state. What they see is what
+was dispatched. On the core path (the CPU fast paths off, and always on CUDA) that is FSDP2's:
+one all-gather per unit gather, one reduce-scatter per unit reduction. On gloo's fast paths
+([Note: the backend plan] in ``fullshard.engine.backend``) it is what ran instead: a p2p
+exchange is sends and receives, which ``CommDebugMode`` does not count; a reduce-scatter run as
+an in-place all-reduce counts as an all-reduce; a unit taking back its own gathered memory runs
+no collective. ``tests/test_observed.py`` checks the counts against a dispatch mode that only
+records, and the README's "torch's debugging tools" lists the differences.
 
 A group of size 1 issues nothing: all-gather and reduce-scatter become local copies and the
 all-reduce a no-op, so world size 1 runs the same code path without communication.
@@ -32,7 +40,6 @@ all-reduce a no-op, so world size 1 runs the same code path without communicatio
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
 from collections.abc import Callable
@@ -51,7 +58,6 @@ from .handle import (
     count_collectives,
     record,
 )
-from .observed import as_logical, report
 
 __all__ = [
     "CollectiveError",
@@ -296,7 +302,6 @@ def _gather_p2p(
     """Send this rank's ``pieces`` to every peer and receive theirs into their ``pieces``."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     sends = [pieces[me]] * size
-    report("all_gather")  # [Note: collectives under torch's tools]
     return _start("all_gather", "p2p", what, size, sends, pieces, group=group, async_op=async_op)
 
 
@@ -381,19 +386,17 @@ def reduce_scatter(
     then = None
     if algorithm == "all_reduce":  # reduce the whole buffer in place, keep this rank's row
         tensors, then = (input,), lambda: output.copy_(chunks[me])
-    # the stand-in all-reduce counts as the reduce-scatter ([Note: collectives under torch's tools])
-    with as_logical("reduce_scatter") if algorithm == "all_reduce" else contextlib.nullcontext():
-        return _start(
-            "reduce_scatter",
-            algorithm,
-            what,
-            size,
-            *tensors,
-            op=dist.ReduceOp.SUM,
-            group=group,
-            async_op=async_op,
-            then=then,
-        )
+    return _start(
+        "reduce_scatter",
+        algorithm,
+        what,
+        size,
+        *tensors,
+        op=dist.ReduceOp.SUM,
+        group=group,
+        async_op=async_op,
+        then=then,
+    )
 
 
 def reduce_scatter_pieces(
@@ -462,7 +465,6 @@ def _reduce_scatter_p2p(
             for peer in peers[1:]:
                 out.add_(recvs[peer][k])
 
-    report("reduce_scatter")  # [Note: collectives under torch's tools]
     return _start(
         "reduce_scatter",
         "p2p",

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from . import collectives as C
 from .events import emit
 from .labels import label
-from .observed import report
 from .overrides import allocate
 from .param import ShardedParam
 from .quant import dequantize_int8, quantize_int8
@@ -126,8 +125,6 @@ def start_gather(g: GatherUnit) -> PendingGather:
     if g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
         buf = g.unsharded_buf
         assert buf is not None
-        if g.world > 1:  # counts as the all-gather it stands for ([Note: collectives under
-            report("all_gather")  # torch's tools] in fullshard.engine.observed)
         # nbytes: what the all-gather would have counted (its full output)
         emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
         return PendingGather(C.Handle(None, g.device), None, None)

@@ -24,7 +24,8 @@ calls are the same lines on every device ([Note: the stream interface] in
 checker keeps a vector clock per stream (each op ticks its stream; a wait merges the waited
 stream's clock into the waiter's), and a
 ``TorchDispatchMode`` notes which stream reads and writes each storage (collectives from
-c10d's ops: their output tensors are written). It reports
+c10d's ops: their output tensors are written; a storage deallocated leaves no history to a new
+one the allocator puts at its address). It reports
 
 - a read or write of a storage on one stream after a write (or, for a write, a read) on
   another with no wait ordering them;
@@ -40,6 +41,7 @@ sharded gradients as DTensors).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,14 +107,14 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(t)
 
 
-def _key(t: torch.Tensor) -> int | None:
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage of a plain tensor, or of a DTensor's local tensor (an optimizer reads the
     sharded gradients as DTensors); other subclasses and meta tensors have none to check."""
     if isinstance(t, DTensor):
         t = t._local_tensor
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta":
         return None
-    return t.untyped_storage()._cdata
+    return t.untyped_storage()
 
 
 class StreamChecker(TorchDispatchMode):
@@ -124,6 +126,9 @@ class StreamChecker(TorchDispatchMode):
         self.clocks: dict[str, Clock] = {COMPUTE: {COMPUTE: 0}}
         self._writes: dict[int, tuple[str, int, str]] = {}  # storage -> (stream, time, op)
         self._reads: dict[int, dict[str, tuple[int, str]]] = {}  # storage -> stream -> ...
+        # storage -> the storage object itself: a storage deallocated (its last tensor gone)
+        # may leave its address to a new one, which starts with no history
+        self._alive: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.violations: list[str] = []
         self.accesses = 0  # a statistic: storage accesses seen
 
@@ -151,7 +156,17 @@ class StreamChecker(TorchDispatchMode):
 
     def release(self, storage: torch.UntypedStorage, what: str) -> None:
         """``storage`` is freed (resized to 0 or handed to the pool) on the current stream."""
-        self._access(storage._cdata, True, f"free ({what})")
+        self._access(self._known(storage), True, f"free ({what})")
+
+    def _known(self, storage: torch.UntypedStorage) -> int:
+        """``storage``'s key, its history dropped if the key last named another storage."""
+        key = storage._cdata
+        ref = self._alive.get(key)
+        if ref is None or ref() is not storage:
+            self._writes.pop(key, None)
+            self._reads.pop(key, None)
+            self._alive[key] = weakref.ref(storage)
+        return key
 
     # ------------------------------------------------------------ the accesses
     def _tick(self) -> tuple[str, int]:
@@ -202,9 +217,9 @@ class StreamChecker(TorchDispatchMode):
         positional = list(args) + [kwargs.get(a.name) for a in schema[len(args) :]]
         for i, arg in enumerate(positional):
             for t in _tensors(arg):
-                key = _key(t)
-                if key is not None:
-                    self._access(key, i in written, str(func))
+                storage = _storage(t)
+                if storage is not None:
+                    self._access(self._known(storage), i in written, str(func))
         return func(*args, **kwargs)
 
 

@@ -41,7 +41,6 @@ from ..engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, defa
 
 __all__ = [
     "HYBRID",
-    "ROOT_KWARGS",
     "check_device",
     "check_same_params",
     "device_of",
@@ -68,25 +67,6 @@ _RESHARD: dict[ShardingStrategy, bool | None] = {
     ShardingStrategy._HYBRID_SHARD_ZERO2: False,
 }
 _NAMES = ("replicate", "shard")
-
-
-# the constructor's arguments an auto-wrapped child gets from its root (FSDP1's root_kwargs)
-ROOT_KWARGS = frozenset(
-    (
-        "process_group",
-        "sharding_strategy",
-        "cpu_offload",
-        "backward_prefetch",
-        "mixed_precision",
-        "param_init_fn",
-        "device_id",
-        "sync_module_states",
-        "forward_prefetch",
-        "limit_all_gathers",
-        "use_orig_params",
-        "device_mesh",
-    )
-)
 
 
 def fsdp1_group(info: Any, strategy: ShardingStrategy) -> tuple[dist.ProcessGroup, int]:

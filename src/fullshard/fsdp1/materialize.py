@@ -8,7 +8,9 @@
 - ``sync_module_states`` broadcasts them from the mesh's first rank, across the replicas first
   and then within the shard group (FSDP1's order for the hybrid strategies), so every rank
   shards the same values. FSDP1 requires GPU tensors for it; fullshard broadcasts on whatever
-  backend the mesh runs (gloo on the CPU too).
+  backend the mesh runs (gloo on the CPU too). The tensors travel in buckets, as FSDP1's do:
+  per dtype and device, flattened into buffers of at most ``BROADCAST_BUCKET_BYTES`` (a larger
+  tensor alone), one broadcast per bucket and mesh dimension.
 
 "The unit's modules" are those reached from the wrapped module without entering a unit
 applied before (a nested wrapper) or an ignored module.
@@ -28,7 +30,16 @@ from torch.distributed.tensor import DTensor
 
 from ..engine import STATE_ATTR
 
-__all__ = ["local_modules", "materialize", "move_to_device", "sync_module_states"]
+__all__ = [
+    "BROADCAST_BUCKET_BYTES",
+    "local_modules",
+    "materialize",
+    "move_to_device",
+    "sync_module_states",
+]
+
+#: The most bytes ``sync_module_states`` packs into one broadcast (FSDP1's bucket size).
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 def local_modules(root: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
@@ -93,18 +104,51 @@ def move_to_device(modules: list[nn.Module], device: torch.device) -> None:
         m._apply(lambda t: t.to(device), recurse=False)
 
 
-def sync_module_states(modules: list[nn.Module], mesh: DeviceMesh) -> None:
-    """Broadcast the own parameters and buffers of ``modules`` from the mesh's first rank."""
-    tensors = [t.detach() for m in modules for t in _own_tensors(m)]
+def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by dtype and device (in order of first appearance, the same on every
+    rank), each group cut into runs of at most ``max_bytes`` (a larger tensor alone)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes in each group's last run
+    for t in tensors:
+        key, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
+        runs = groups.setdefault(key, [[]])
+        if runs[-1] and filled[key] + nbytes > max_bytes:
+            runs.append([])
+            filled[key] = 0
+        runs[-1].append(t)
+        filled[key] = filled.get(key, 0) + nbytes
+    return [run for runs in groups.values() for run in runs]
+
+
+def _broadcast(bucket: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+    """One broadcast of ``bucket``: the tensor itself if alone, else a flat copy, copied back."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        dist.broadcast(bucket[0], src=src, group=group)
+        return
+    flat = torch.cat([t.reshape(-1) for t in bucket])
+    dist.broadcast(flat, src=src, group=group)
+    for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+        t.copy_(part.view(t.shape))
+
+
+def sync_module_states(
+    modules: list[nn.Module], mesh: DeviceMesh, bucket_bytes: int = BROADCAST_BUCKET_BYTES
+) -> None:
+    """Broadcast the own parameters and buffers of ``modules`` from the mesh's first rank,
+    one broadcast per bucket of at most ``bucket_bytes`` (see the module's docstring)."""
+    own = {id(t): t for m in modules for t in _own_tensors(m)}  # a tied tensor once
+    tensors = [t.detach() for t in own.values()]
     if any(t.is_meta for t in tensors):
         raise ValueError(
             "sync_module_states=True with parameters or buffers still on the meta device: "
             "materialise them first (param_init_fn=... or reset_parameters())"
         )
+    buckets = _buckets([t for t in tensors if t.numel()], bucket_bytes)
     for dim in range(mesh.ndim):  # replicas first (dim 0 of a 2-D mesh), then the shard group
         group = mesh.get_group(dim)
         if dist.get_world_size(group) == 1:
             continue
         src = dist.get_global_rank(group, 0)
-        for t in tensors:
-            dist.broadcast(t, src=src, group=group)
+        with torch.no_grad():
+            for bucket in buckets:
+                _broadcast(bucket, src, group)

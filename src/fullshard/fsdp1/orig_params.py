@@ -4,11 +4,17 @@ FSDP1 with ``use_orig_params=True`` keeps the module's parameter objects, so an 
 on the unwrapped model trains the wrapped one; Accelerate's ``prepare(model, optimizer)`` relies
 on it. fullshard's wrapper replaces each parameter with a ``DTensor`` shard, a new object, which
 such an optimizer would never see (it would step nothing, silently). So each wrapper records
-which parameter replaced which (:func:`record_replaced`), and one global optimizer step
-pre-hook, installed with the first record, swaps the replaced parameters in any optimizer that
-still holds them, moving their state along, before its step (:func:`swap_replaced`; the FSDP1
-optimizer-state methods call it too). A replaced parameter's memory is released at once (its
-data becomes an empty tensor), as FSDP1 frees the unsharded originals.
+which parameter replaced which (:func:`record_replaced`), and a global optimizer step pre-hook
+swaps the replaced parameters in any optimizer that still holds them, moving their state
+along, before its step (:func:`swap_replaced`; the FSDP1 optimizer-state methods call it too).
+A replaced parameter's memory is released at once (its data becomes an empty tensor), as FSDP1
+frees the unsharded originals.
+
+The hook is there only while a replaced parameter is alive (something may still hand it to an
+optimizer): installed by the record, removed when the last one is collected. That is at once
+after wrapping when nothing else held them, or once the optimizers built before wrapping have
+swapped them out; then, since torch is looping over the global hooks, the optimizer's own
+step post-hook (registered by the swap, left there as a no-op) removes it.
 
 An optimizer in backward (torch's ``_apply_optimizer_in_backward``) is refused at the root's
 first forward (:func:`refuse_in_backward_optimizers`).
@@ -16,6 +22,7 @@ first forward (:func:`refuse_in_backward_optimizers`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -34,7 +41,9 @@ __all__ = [
 ]
 
 _REPLACED = WeakIdKeyDictionary()  # a replaced parameter -> the one that replaced it
-_HOOK: list[RemovableHandle] = []  # the global step pre-hook, once installed
+_HOOK: list[RemovableHandle] = []  # the global step pre-hook, while installed
+_STEPPING = [False]  # the hook runs: torch loops over the hooks, none may be removed
+_AFTER = WeakIdKeyDictionary()  # optimizers given the post-hook that removes the hook
 
 
 def named_originals(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -50,10 +59,31 @@ def record_replaced(before: dict[str, nn.Parameter], wrapper: nn.Module) -> None
         new = after.get(name)
         if new is None or new is old:
             continue
+        if old not in _REPLACED:
+            weakref.finalize(old, _released)
         _REPLACED[old] = new
         old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-    if len(_REPLACED) and not _HOOK:
+    if len(_REPLACED):
+        _install_hook()
+
+
+def _install_hook() -> None:
+    if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _released() -> None:
+    """A replaced parameter was collected: remove the hook if it was the last one, unless the
+    hook is running (then the optimizer's post-hook does, see the module's docstring)."""
+    if not _STEPPING[0]:
+        _remove_if_unneeded()
+
+
+def _remove_if_unneeded(*_: Any) -> None:
+    """Remove the hook if no replaced parameter is alive (a dead one's entry may not be gone
+    from ``_REPLACED`` yet, but iterating yields live ones only)."""
+    if _HOOK and next(iter(_REPLACED.keys()), None) is None:
+        _HOOK.pop().remove()
 
 
 def swap_replaced(optim: torch.optim.Optimizer) -> None:
@@ -72,7 +102,13 @@ def swap_replaced(optim: torch.optim.Optimizer) -> None:
 
 
 def _before_step(optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-    swap_replaced(optim)
+    _STEPPING[0] = True
+    try:
+        swap_replaced(optim)
+    finally:
+        _STEPPING[0] = False
+    if optim not in _AFTER:  # after its step, torch's loop is over: remove what is unneeded
+        _AFTER[optim] = optim.register_step_post_hook(_remove_if_unneeded)
 
 
 def refuse_in_backward_optimizers(wrappers: list[Any]) -> None:

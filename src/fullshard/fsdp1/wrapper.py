@@ -116,31 +116,31 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             module, ignored_modules, ignored_states, _is_unit
         )
         device = config.device_of(device_id)
-        kwargs = {k: v for k, v in locals().items() if k in config.ROOT_KWARGS}
-        kwargs.update(auto_wrap_policy=None, ignored_states=ignored_params)
+        # the arguments an auto-wrapped child gets from its root (FSDP1's root_kwargs)
+        kwargs: dict[str, Any] = {
+            "process_group": process_group,
+            "sharding_strategy": sharding_strategy,
+            "cpu_offload": cpu_offload,
+            "backward_prefetch": backward_prefetch,
+            "mixed_precision": mixed_precision,
+            "param_init_fn": param_init_fn,
+            "device_id": device_id,
+            "sync_module_states": sync_module_states,
+            "forward_prefetch": forward_prefetch,
+            "limit_all_gathers": limit_all_gathers,
+            "use_orig_params": use_orig_params,
+            "device_mesh": device_mesh,
+            "auto_wrap_policy": None,
+            "ignored_states": ignored_params,
+        }
         if config.is_stand_in(process_group):
             self._init_stand_in(
                 module, auto_wrap_policy, kwargs, device, ignored_mods, ignored_params
             )
             return
-        with config.mesh_cache():
-            device_type = config.resolve_device_type(device, module)
-            mesh = config.resolve_mesh(
-                strategy, process_group, device_mesh, device_type, auto_wrap_policy is not None
-            )
-            if auto_wrap_policy is not None:
-                # FSDP1 hands the root's arguments down (its intra/inter-node groups for a
-                # hybrid default; here, the mesh made of them)
-                hybrid_default = strategy in config.HYBRID and process_group is device_mesh is None
-                auto_wrap(
-                    module,
-                    auto_wrap_policy,
-                    ignored_mods,
-                    ignored_params,
-                    {**kwargs, "device_mesh": mesh if hybrid_default else device_mesh},
-                    FullyShardedDataParallel,
-                    _is_unit,
-                )
+        mesh = self._mesh_and_children(
+            module, strategy, device, auto_wrap_policy, kwargs, ignored_mods, ignored_params
+        )
         info = mesh_info(mesh)
         config.check_device(device, info.device)
         own = local_modules(module, ignored_mods)
@@ -166,6 +166,38 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         record_replaced(originals, self)
         self._mark_flattened()
         self._finish_init(group, size, info.device, kwargs, ignored_mods, ignored_params)
+
+    @staticmethod
+    def _mesh_and_children(
+        module: nn.Module,
+        strategy: ShardingStrategy,
+        device: torch.device | None,
+        policy: Any,
+        kwargs: dict[str, Any],
+        ignored_mods: set[nn.Module],
+        ignored_params: set[nn.Parameter],
+    ) -> DeviceMesh:
+        """The root's mesh, from its arguments (``kwargs``), and its auto-wrapped children
+        (``policy``), which get the root's arguments as FSDP1 hands them down: its
+        intra/inter-node groups for a hybrid default, here the mesh made of them."""
+        group, device_mesh = kwargs["process_group"], kwargs["device_mesh"]
+        with config.mesh_cache():
+            device_type = config.resolve_device_type(device, module)
+            mesh = config.resolve_mesh(
+                strategy, group, device_mesh, device_type, policy is not None
+            )
+            if policy is not None:
+                hybrid_default = strategy in config.HYBRID and group is device_mesh is None
+                auto_wrap(
+                    module,
+                    policy,
+                    ignored_mods,
+                    ignored_params,
+                    {**kwargs, "device_mesh": mesh if hybrid_default else device_mesh},
+                    FullyShardedDataParallel,
+                    _is_unit,
+                )
+        return mesh
 
     def _init_stand_in(
         self,
