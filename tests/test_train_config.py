@@ -295,3 +295,22 @@ def test_bin_tokens_beyond_the_vocabulary_fail_fast(
     args = ["--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--data", str(path)]
     _fails(args, capsys, "token ids up to 999", "--vocab-size")
     assert no_launch == []
+
+
+def test_a_run_dir_in_use_is_refused(
+    tmp_path: Path, no_launch: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two launches never share a run directory (two torchft groups given one --run-dir)."""
+    from fullshard.train.launch import hold_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = ["--preset", "tiny", "--run-dir", str(run_dir), "--nproc", "1", "--max-steps", "1"]
+    with hold_run_dir(run_dir):
+        (run_dir / "config.toml").write_text("the other launch's")
+        _fails(
+            args, capsys, f"--run-dir {run_dir} is in use by fullshard train pid", "own --run-dir"
+        )
+        assert (run_dir / "config.toml").read_text() == "the other launch's"  # not overwritten
+    assert no_launch == []
+    assert cli.main(args) == 0 and len(no_launch) == 1  # free again once the holder is done

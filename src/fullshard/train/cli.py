@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     from fullshard.train import checks
-    from fullshard.train.launch import launch
+    from fullshard.train.launch import hold_run_dir, launch
     from fullshard.train.lighthouse import served_lighthouse
 
     nproc = cfg.nproc or checks.default_nproc(cfg)
@@ -269,15 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(cfg, name=cfg.resolved_name(), run_dir=cfg.resolved_run_dir())
     run_dir = Path(cfg.run_dir)
     config_path = run_dir / "config.toml"
-    config_path.write_text(to_toml(cfg))
-    print(
-        f"fullshard train: launching {nproc} rank(s), mesh {checked.degrees.describe()} "
-        f"({checked.n_params / 1e6:.2f}M parameters, {checked.n_tokens:,} tokens of data); "
-        f"config in {config_path}",
-        flush=True,
-    )
     try:
-        with served_lighthouse(cfg):
+        with hold_run_dir(run_dir), served_lighthouse(cfg):
+            config_path.write_text(to_toml(cfg))
+            print(
+                f"fullshard train: launching {nproc} rank(s), mesh {checked.degrees.describe()} "
+                f"({checked.n_params / 1e6:.2f}M parameters, {checked.n_tokens:,} tokens of "
+                f"data); config in {config_path}",
+                flush=True,
+            )
             return launch(
                 config_path,
                 run_dir=run_dir,

@@ -10,30 +10,85 @@ newest checkpoint), unless the failure is deterministic (see failures.py).
 every worker and gives them ``--stop-timeout`` seconds before SIGKILL. Workers finish the step,
 save and exit 0 (see session.py); the agent then re-raises the signal as ``SignalException``.
 We exit 0 when the run recorded a ``stop`` after the signal, else 128 + the signal number.
+
+[Note: one launch per run directory] Two launches writing one run directory would interleave
+their metrics and overwrite each other's config and checkpoints (two torchft replica groups
+given the same ``--run-dir`` are the easy way there). The launcher holds an exclusive
+``flock`` on ``RUN_DIR/.launch.lock`` from before it writes ``config.toml`` until it exits,
+then removes the file (the OS drops the lock if the launcher dies, even by SIGKILL, and the
+next launch takes the file left behind); a second launch is refused in one line naming the
+holder. ``flock`` is per machine on most network filesystems: launches on two
+machines sharing a directory are not caught.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import socket
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fullshard.engine import LAUNCH_SHUTDOWN_TIMEOUT
 from fullshard.train import failures
 from fullshard.train.failures import LAUNCHER_ENV
 from fullshard.train.metrics import read_metrics
 
-__all__ = ["launch", "package_root"]
+__all__ = ["hold_run_dir", "launch", "package_root"]
 
 
 def package_root() -> Path:
     """The directory that holds the ``fullshard`` package (put on the workers' PYTHONPATH)."""
     return Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` for this launch (see [Note: one launch per run directory]); a
+    :class:`ConfigError` naming the launch that holds it already."""
+    path = run_dir / ".launch.lock"
+    f = _lock(path)
+    try:
+        f.seek(0)
+        f.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        f.write(f"fullshard train pid {os.getpid()} on {socket.gethostname()} since {started}\n")
+        f.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the unlock: a waiter then retries on a new file
+        f.close()
+
+
+def _lock(path: Path) -> IO[str]:
+    """``path`` opened and exclusively locked: the lock on the file the path names now (a
+    holder removes it on release, so a lock won on a removed file is tried again)."""
+    from fullshard.train.config import ConfigError
+
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another launch"
+            f.close()
+            raise ConfigError(
+                f"--run-dir {path.parent} is in use by {holder}; give each launch its own "
+                "--run-dir (with torchft, one per replica group) or stop that one first"
+            ) from None
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()
 
 
 def _worker_env(nproc: int, on_cuda: bool) -> None:
@@ -104,8 +159,6 @@ def _run_group(
     config_path: Path, *, run_dir: Path, nproc: int, stop_timeout: int
 ) -> int | tuple[bool, str]:
     """One attempt: an exit code when the job is over, else ``(fatal, one-line cause)``."""
-    import time
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
