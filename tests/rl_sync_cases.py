@@ -36,6 +36,15 @@ from hf_local import tiny_llama
 VOCAB = 67
 
 
+def assert_same(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, *, ordered: bool = True
+) -> None:
+    """Bit-equal named tensors (dtypes too); ``ordered``: in the same order as well."""
+    assert (list(got) == list(want)) if ordered else (sorted(got) == sorted(want)), what
+    bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
+    assert not bad, f"{what}: {bad[:4]} differ"
+
+
 def make_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A 2-layer, 32-wide Llama with tied embeddings (no download)."""
     return tiny_llama(VOCAB, max_positions=32, tie=True, seed=seed).to(dtype)

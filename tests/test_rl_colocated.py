@@ -18,14 +18,9 @@ from fullshard.rl import (
     receive_colocated,
 )
 from fullshard.testing import run_distributed
+from rl_sync_cases import assert_same
 
 pytest.importorskip("transformers")
-
-
-def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert sorted(got) == sorted(want), what
-    bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
-    assert not bad, f"{what}: {bad[:4]} differ"
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +38,14 @@ def test_every_trainer_hands_its_engine_the_full_weights(world: list[dict[str, A
     trainers, engines = world[:2], world[2:]
     assert [r["strategy"] for r in world] == ["file_descriptor", "file_system"] * 2
     for i in range(2):
-        _assert_same(trainers[1]["stages"][i], trainers[0]["stages"][i], f"round {i}")
+        assert_same(trainers[1]["stages"][i], trainers[0]["stages"][i], f"round {i}", ordered=False)
         for e, engine in enumerate(engines):
-            _assert_same(engine["stages"][i], trainers[0]["stages"][i], f"engine {e} round {i}")
+            assert_same(
+                engine["stages"][i],
+                trainers[0]["stages"][i],
+                f"engine {e} round {i}",
+                ordered=False,
+            )
     first, second = engines[0]["stages"][:2]
     assert any(not torch.equal(first[n], second[n]) for n in first)  # the weights did move
     for r, (trainer, engine) in enumerate(zip(trainers, engines, strict=True)):
@@ -96,7 +96,7 @@ def test_world_size_one_mixed_dtypes(world: list[dict[str, Any]]) -> None:
     every weight bit for bit in its dtype."""
     trainer, engine = world[0], world[2]
     checks = engine["checks"][2]
-    _assert_same(engine["stages"][2], trainer["alone_oracle"], "mixed dtypes")
+    assert_same(engine["stages"][2], trainer["alone_oracle"], "mixed dtypes", ordered=False)
     assert checks["dtypes"] == {"torch.float32", "torch.bfloat16"}, checks
     assert checks["copies"] == [] and checks["overwritten"] == [], checks
     report: SyncReport = trainer["alone_report"]

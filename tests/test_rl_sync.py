@@ -20,6 +20,7 @@ from fullshard.rl import (
 from fullshard.rl.delta import bits
 from fullshard.rl.wire import backend_device
 from fullshard.testing import run_distributed
+from rl_sync_cases import assert_same
 
 pytest.importorskip("transformers")
 
@@ -117,12 +118,6 @@ def test_trainer_side_on_two_ranks() -> None:
         assert res["delta_bytes"] < res["raw_bytes"]
 
 
-def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert list(got) == list(want), what
-    bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
-    assert not bad, f"{what}: {bad[:4]} differ"
-
-
 @pytest.fixture(scope="module")
 def sync_ranks() -> list[dict[str, Any]]:
     """Trainers 0-1 and receiver 2 (``rl_sync_cases.sync_world``), one spawn for both tests."""
@@ -137,8 +132,8 @@ def test_receiver_rank_gets_full_rows_and_deltas_bit_exact(
     trainer0, trainer1, receiver = sync_ranks
     stages = ("full", "rows", "delta 1", "delta 2", "delta 3")
     for i, what in enumerate(stages):
-        _assert_same(receiver["stages"][i], trainer0["stages"][i], what)
-        _assert_same(trainer1["stages"][i], trainer0["stages"][i], what)
+        assert_same(receiver["stages"][i], trainer0["stages"][i], what)
+        assert_same(trainer1["stages"][i], trainer0["stages"][i], what)
     assert not all(
         torch.equal(receiver["stages"][2][n], receiver["stages"][4][n])
         for n in receiver["stages"][2]
@@ -165,7 +160,7 @@ def test_the_wire_moves_tensors_on_its_backends_device(sync_ranks: list[dict[str
         assert {r.path for r in res["reports"]} == {"wire"}, rank  # SyncReport says which way
         assert [r.compressed for r in res["reports"][2:]] == [True, False, True], rank
     for i in range(5):  # a raw delta applies as bit for bit as a compressed one
-        _assert_same(ranks[2]["stages"][i], ranks[0]["stages"][i], f"stage {i}")
+        assert_same(ranks[2]["stages"][i], ranks[0]["stages"][i], f"stage {i}")
     for i in (1, 2, 3, 4):  # rows and deltas: each trainer sends its own half, none relays
         sent = [ranks[r]["reports"][i].bytes_sent for r in (0, 1)]
         assert min(sent) > 0.4 * sum(sent), (i, sent)
@@ -280,7 +275,7 @@ def test_hsdp_replicas_and_plain_weights_are_sent_once() -> None:
 
     *trainers, receiver = run_distributed(hsdp_sync_world, 5, timeout=300)
     for i, what in enumerate(("rows", "delta 1", "delta 2")):
-        _assert_same(receiver["stages"][i], trainers[0]["stages"][i], what)
+        assert_same(receiver["stages"][i], trainers[0]["stages"][i], what)
     assert not torch.equal(
         receiver["stages"][0]["model.norm.weight"], receiver["stages"][2]["model.norm.weight"]
     )  # the ignored weight moved, and arrived
