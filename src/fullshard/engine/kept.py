@@ -1,0 +1,98 @@
+"""KeptBuffers: a unit's communication buffers, kept across steps for a capturable step.
+
+[Note: a capturable step]
+A CUDA graph replays the kernels a capture recorded on the memory they used then, so a step
+of ours can be captured (forward, loss, backward, ``finalize_backward``) only if, in the
+steady state, the engine
+
+1. allocates nothing: every tensor it computes into is one it already holds;
+2. never waits on the host: no ``.item()`` / ``.tolist()``, no ``Event.synchronize``,
+   ``Stream.synchronize`` or ``torch.cuda.synchronize``;
+3. records and waits on events only on streams the capture owns: the current stream and
+   streams that joined it inside the capture.
+
+This is the contract of ``set_keep_unsharded_storage(True)`` (every unit) together with
+manual backward finalization (``set_manual_backward_finalization(True)`` on the root, each
+step ending with ``finalize_backward()``; [Note: manual backward finalization] in
+``fullshard.engine.finalize``), on the core path: the one CUDA runs (packed transport, no host
+strategy: [Note: the host strategy] in ``fullshard.engine.host``; a shard group of one rank
+with the ``local`` transport moves nothing at all), no offload, no custom collectives, no
+int8 or int ``reshard_after_forward`` gathers. How the engine keeps it:
+
+- the unsharded buffer keeps its storage on reshard (``ParamGroup._release``), so a gather
+  refills the same memory, and the views autograd saved keep their addresses;
+- the packed all-gather output and the reduce-scatter input and output come from the unit's
+  :class:`KeptBuffers`: allocated at the first steps, taken again by every later gather and
+  reduction of the same size and dtype. A buffer is taken while its collective is in flight
+  and given back once the compute stream has waited for it (``finish_gather``,
+  ``PendingReduce.finish``); a second use while it is taken (two reductions of one unit in
+  flight, as manual finalization allows) gets a fresh tensor, never a shared one;
+- a reduce-scatter output that became a parameter's gradient (its ``.grad`` was ``None``:
+  [Note: the gradient is the reduce-scatter output] does not apply to kept outputs) is
+  handed over and forgotten: the next reduction allocates again. In the steady state the
+  sharded gradients exist (zero them in place, ``zero_grad(set_to_none=False)``, or
+  accumulate) and each reduction adds into them from the kept output;
+- the side streams (``gather``, ``reduce``) first wait for the current stream on every use
+  ([Note: the stream interface] in ``fullshard.engine.streams``), which inside a capture
+  forks them from the capturing stream, and every collective is waited on by the current
+  stream before the step ends (the iteration ends in ``finalize_backward``), which joins them
+  back; the engine records no event on a stream outside that.
+
+Reusing a buffer is safe without ``record_stream`` for the reason fresh buffers are ([Note:
+streams and buffer lifetimes]): each side stream waits for the compute stream before it
+writes, and the compute stream waits for the collective before the buffer is given back.
+
+``tests/test_capturable_step.py`` counts, over steady-state steps at world sizes 1 and 2,
+the tensors engine code creates and the host waits it makes (zero), and
+``scripts/gpu_check.sh``'s ``graph`` line captures a Llama step with ``torch.cuda.graphs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["KeptBuffers"]
+
+
+class KeptBuffers:
+    """One unit's communication buffers by role (``"gather"``, ``"reduce_in"``,
+    ``"reduce_out"``), kept while ``set_keep_unsharded_storage`` is on (see the Note)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._taken: set[str] = set()
+
+    def take(
+        self, keep: bool, role: str, numel: int, dtype: torch.dtype, make: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """The 1-D buffer of ``numel`` elements of ``dtype`` for ``role``: the kept one if
+        ``keep`` and it is free and of that size and dtype, else ``make()`` (kept for next time
+        if ``keep`` and the role is free). Give it back with :meth:`give_back` once the compute
+        stream has waited for its use."""
+        if not keep:
+            return make()
+        if role in self._taken:  # in use by a collective still in flight: never share it
+            return make()
+        buf = self._bufs.get(role)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._bufs[role] = make()
+        self._taken.add(role)
+        return buf
+
+    def give_back(self, *roles: str) -> None:
+        """``roles``' buffers are free again (their collectives have been waited on)."""
+        self._taken.difference_update(roles)
+
+    def forget(self, *roles: str) -> None:
+        """Stop keeping ``roles``' buffers (handed over as gradients, or resized)."""
+        for role in roles:
+            self._bufs.pop(role, None)
+            self._taken.discard(role)
+
+    def clear(self) -> None:
+        """Keep nothing (``set_keep_unsharded_storage(False)``)."""
+        if self._bufs or self._taken:
+            self._bufs.clear()
+            self._taken.clear()
