@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .events import emit
+from .kept import KeptBuffers
 from .labels import label
 from .observed import report
 from .overrides import allocate
 from .param import ShardedParam
 from .quant import dequantize_int8, quantize_int8
-from .kept import KeptBuffers
 from .unit import CommUnit
 
 __all__ = ["GatherUnit", "PendingGather", "finish_gather", "start_gather"]

@@ -65,7 +65,12 @@ class KeptBuffers:
         self._taken: set[str] = set()
 
     def take(
-        self, keep: bool, role: str, numel: int, dtype: torch.dtype, make: Callable[[], torch.Tensor]
+        self,
+        keep: bool,
+        role: str,
+        numel: int,
+        dtype: torch.dtype,
+        make: Callable[[], torch.Tensor],
     ) -> torch.Tensor:
         """The 1-D buffer of ``numel`` elements of ``dtype`` for ``role``: the kept one if
         ``keep`` and it is free and of that size and dtype, else ``make()`` (kept for next time
