@@ -21,6 +21,7 @@ warm-up and the readiness step), and the "replays" are eager steps of the second
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -156,6 +157,10 @@ def check_graph(ctx: Ctx) -> list[Row]:
     bad_loss = [i for i, (x, y) in enumerate(zip(cap["losses"], losses)) if not torch.equal(x, y)]
     bad_params = _differing(cap["model"], eager)
     ctx.details["graph"] = {"created": seen.created, "syncs": seen.syncs, "losses_differ": bad_loss}
+    del cap["model"], eager  # with the graph and its memory pool: give the next checks the GPU
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.empty_cache()
     ms = {"graph": statistics.median(cap["times"]), "eager": statistics.median(eager_times[warm:])}
     how = "replays" if ctx.cuda else "eager steps standing in for replays (no capture on the CPU)"
     return [

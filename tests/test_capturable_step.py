@@ -21,29 +21,36 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard import CommPolicy, MixedPrecisionPolicy
+from fullshard import CommPolicy, FSDPModule, MixedPrecisionPolicy
 from fullshard.capture import count_engine_work, finalize, make_capturable
 from fullshard.engine.backend import CPU_CHOICES
+from fullshard.module import unit_state
 from fullshard.testing import run_distributed
 from parity import GLOBAL_BATCH, batch, loss_fn, make_net, shard_net
 
 WARMUP, COUNTED = 3, 3
 
 
-def _train(case: dict[str, Any], capturable: bool) -> dict[str, Any]:
+def _train(case: dict[str, Any], capturable: bool, backwards: int = 1) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = shard_net(make_net(), **case)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if capturable:
         make_capturable(model)
+    if backwards > 1:  # every reduction of the first backward still in flight at the second
+        for m in model.modules():  # (set_reduce_scatter_max_input_buffers, on every torch)
+            if isinstance(m, FSDPModule):
+                unit_state(m).group.overrides.max_input_buffers = 64
     created, syncs, ops = [], [], 0
     per = GLOBAL_BATCH // world
     for s in range(WARMUP + COUNTED):
         x, y = (t[rank * per : (rank + 1) * per] for t in batch(s))
         counted = capturable and s >= WARMUP
         with count_engine_work() if counted else contextlib.nullcontext() as seen:
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            for half in range(backwards):  # several: each reduces, the last still in flight
+                n = len(x) // backwards
+                loss = loss_fn(model(x[half * n : (half + 1) * n]), y[half * n : (half + 1) * n])
+                loss.backward()
             if capturable:
                 finalize(model)
         if seen is not None:
@@ -61,7 +68,12 @@ def _cases() -> dict[str, dict[str, Any]]:
 
 
 def _worker() -> dict[str, Any]:
-    return {name: (_train(case, True), _train(case, False)) for name, case in _cases().items()}
+    out = {name: (_train(case, True), _train(case, False)) for name, case in _cases().items()}
+    if dist.get_world_size() > 1:  # manual finalization leaves reductions in flight: a unit's
+        # next reduction must not write into the buffers the last one still uses
+        case = _cases()["fp32"]
+        out["two backwards"] = (_train(case, True, 2), _train(case, False, 2))
+    return out
 
 
 @pytest.mark.parametrize("world", [1, 2])

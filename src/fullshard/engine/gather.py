@@ -225,7 +225,7 @@ def finish_gather(g: GatherUnit, pending: PendingGather) -> None:
         _allocate(g, buf)
         sizes = [sp.shard_numel for sp in g.layout]
         torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())
-    g.kept.give_back("gather")  # its copy-out is queued: the next gather's writes wait for it
+    g.kept.give_back(pending.packed)  # copy-out queued: the next gather's writes wait for it
     _copy_out(g)
 
 

@@ -465,7 +465,7 @@ class ParamGroup:
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             if self._gather is not None:
                 self._gather.handle.wait()  # dropped with the state (below)
-                self.kept.give_back("gather")
+                self.kept.give_back(self._gather.packed)
             if self.extended is not None:
                 self.extended.wait_dropped()
         self.post_forward_chunk = None

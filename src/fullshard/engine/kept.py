@@ -25,8 +25,9 @@ int8 or int ``reshard_after_forward`` gathers. How the engine keeps it:
   :class:`KeptBuffers`: allocated at the first steps, taken again by every later gather and
   reduction of the same size and dtype. A buffer is taken while its collective is in flight
   and given back once the compute stream has waited for it (``finish_gather``,
-  ``PendingReduce.finish``); a second use while it is taken (two reductions of one unit in
-  flight, as manual finalization allows) gets a fresh tensor, never a shared one;
+  ``PendingReduce.finish``); a use while every kept one is taken (several reductions of one
+  unit in flight, as manual finalization over several backward passes allows) keeps one
+  more, never shares one;
 - a reduce-scatter output that became a parameter's gradient (its ``.grad`` was ``None``:
   [Note: the gradient is the reduce-scatter output] does not apply to kept outputs) is
   handed over and forgotten: the next reduction allocates again. In the steady state the
@@ -58,11 +59,13 @@ __all__ = ["KeptBuffers"]
 
 class KeptBuffers:
     """One unit's communication buffers by role (``"gather"``, ``"reduce_in"``,
-    ``"reduce_out"``), kept while ``set_keep_unsharded_storage`` is on (see the Note)."""
+    ``"reduce_out"``), kept while ``set_keep_unsharded_storage`` is on (see the Note): per
+    role as many as were ever in flight at once (one, unless several reductions of the unit
+    are: manual finalization over several backward passes)."""
 
     def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-        self._taken: set[str] = set()
+        self._bufs: dict[str, list[torch.Tensor]] = {}
+        self._taken: set[int] = set()  # the storages of the buffers in use
 
     def take(
         self,
@@ -72,32 +75,40 @@ class KeptBuffers:
         dtype: torch.dtype,
         make: Callable[[], torch.Tensor],
     ) -> torch.Tensor:
-        """The 1-D buffer of ``numel`` elements of ``dtype`` for ``role``: the kept one if
-        ``keep`` and it is free and of that size and dtype, else ``make()`` (kept for next time
-        if ``keep`` and the role is free). Give it back with :meth:`give_back` once the compute
-        stream has waited for its use."""
+        """A 1-D buffer of ``numel`` elements of ``dtype`` for ``role``: with ``keep``, a kept
+        one not in use (else ``make()``, kept from now on); without, ``make()``. Give it back
+        with :meth:`give_back` once the compute stream has waited for its collective."""
         if not keep:
             return make()
-        if role in self._taken:  # in use by a collective still in flight: never share it
-            return make()
-        buf = self._bufs.get(role)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype:
-            buf = self._bufs[role] = make()
-        self._taken.add(role)
+        bufs = self._bufs.setdefault(role, [])
+        free = [b for b in bufs if _key(b) not in self._taken]
+        buf = next((b for b in free if b.numel() == numel and b.dtype == dtype), None)
+        if buf is None:  # none free of this size: drop the free ones of other sizes
+            bufs[:] = [b for b in bufs if _key(b) in self._taken]
+            buf = make()
+            bufs.append(buf)
+        self._taken.add(_key(buf))
         return buf
 
-    def give_back(self, *roles: str) -> None:
-        """``roles``' buffers are free again (their collectives have been waited on)."""
-        self._taken.difference_update(roles)
+    def give_back(self, *tensors: torch.Tensor | None) -> None:
+        """The buffers ``tensors`` view are free again (their collectives have been waited
+        on); tensors that are not kept buffers are ignored."""
+        for t in tensors:
+            if t is not None:
+                self._taken.discard(_key(t))
 
-    def forget(self, *roles: str) -> None:
-        """Stop keeping ``roles``' buffers (handed over as gradients, or resized)."""
-        for role in roles:
-            self._bufs.pop(role, None)
-            self._taken.discard(role)
+    def forget(self, *tensors: torch.Tensor | None) -> None:
+        """Stop keeping the buffers ``tensors`` view (handed over as gradients)."""
+        keys = {_key(t) for t in tensors if t is not None}
+        for bufs in self._bufs.values():
+            bufs[:] = [b for b in bufs if _key(b) not in keys]
+        self._taken -= keys
 
     def clear(self) -> None:
-        """Keep nothing (``set_keep_unsharded_storage(False)``)."""
-        if self._bufs or self._taken:
-            self._bufs.clear()
-            self._taken.clear()
+        """Keep nothing (``set_keep_unsharded_storage(False)``, ``fullshard.rl.sleep``)."""
+        self._bufs.clear()
+        self._taken.clear()
+
+
+def _key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)

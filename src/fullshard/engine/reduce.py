@@ -164,7 +164,8 @@ class PendingReduce:
     overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
     nbytes: int = 0  # the unit's unsharded bytes, for the CPU's window of reductions in flight
     hooked: Any = None  # the hook stream's event once the hook ran there (advance)
-    kept: KeptBuffers | None = None  # the unit's, whose buffers this reduction may have taken
+    # the unit's kept buffers and the ones this reduction took ([Note: a capturable step])
+    kept: tuple[KeptBuffers, tuple[torch.Tensor, ...]] | None = None
 
     @property
     def continues(self) -> bool:
@@ -224,8 +225,11 @@ class PendingReduce:
         """The collective has been waited on: the kept buffers are free again, or forgotten
         if the output became gradients (``handed``; [Note: a capturable step])."""
         if self.kept is not None:
-            roles = ("reduce_in", "reduce_out")
-            self.kept.forget(*roles) if handed else self.kept.give_back(*roles)
+            kept, bufs = self.kept
+            if handed:  # the output (bufs[0]; the input too where it is the output)
+                kept.forget(bufs[0])
+            kept.give_back(*bufs)
+            self.kept = None
 
     def _wait_hook(self) -> bool:
         """The current stream waits for the hook's stream, if the hook ran there."""
@@ -396,8 +400,18 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         partial=g.partial if hsdp else None,
         overrides=g.overrides,
         nbytes=g.unsharded_nbytes(),
-        kept=g.kept,
+        kept=_taken(g, out, send),
     )
+
+
+def _taken(
+    g: ReduceUnit, out: torch.Tensor, send: object
+) -> tuple[KeptBuffers, tuple[torch.Tensor, ...]] | None:
+    """What :attr:`PendingReduce.kept` holds: only with kept buffers (it keeps ``send``
+    referenced until the reduction finishes)."""
+    if not g.keep_unsharded_storage:
+        return None
+    return g.kept, (out, *([send] if isinstance(send, torch.Tensor) else []))
 
 
 def _reduce_packed(
