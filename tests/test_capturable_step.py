@@ -2,7 +2,8 @@
 ``set_keep_unsharded_storage(True)`` and manual backward finalization
 (:func:`fullshard.capture.make_capturable`), the engine creates no tensor, resizes no storage
 and makes no host wait over steady-state steps (forward, loss, backward, finalize), at world
-sizes 1 and 2, and trains bit for bit as the default path does.
+sizes 1 and 2 (at 2 also with two backward passes per step whose reductions all stay in
+flight), and trains bit for bit as the default path does.
 
 How engine work is told from the model's, and what counts, is
 :func:`fullshard.capture.count_engine_work`'s docstring (the Python stack; new storages; host

@@ -17,7 +17,11 @@ step ending with ``finalize_backward()``; [Note: manual backward finalization] i
 ``fullshard.engine.finalize``), on the core path: the one CUDA runs (packed transport, no host
 strategy: [Note: the host strategy] in ``fullshard.engine.host``; a shard group of one rank
 with the ``local`` transport moves nothing at all), no offload, no custom collectives, no
-int8 or int ``reshard_after_forward`` gathers. How the engine keeps it:
+int8 or int ``reshard_after_forward`` gathers. One tensor the engine still makes: where
+``MixedPrecisionPolicy.cast_forward_inputs`` casts floating-point forward inputs to
+``param_dtype``, the cast input is a new activation, like any layer's output (a capture takes
+it from its graph's pool; integer inputs such as token ids are not cast). How the engine
+keeps it:
 
 - the unsharded buffer keeps its storage on reshard (``ParamGroup._release``), so a gather
   refills the same memory, and the views autograd saved keep their addresses;
@@ -28,11 +32,12 @@ int8 or int ``reshard_after_forward`` gathers. How the engine keeps it:
   ``PendingReduce.finish``); a use while every kept one is taken (several reductions of one
   unit in flight, as manual finalization over several backward passes allows) keeps one
   more, never shares one;
-- a reduce-scatter output that became a parameter's gradient (its ``.grad`` was ``None``:
-  [Note: the gradient is the reduce-scatter output] does not apply to kept outputs) is
-  handed over and forgotten: the next reduction allocates again. In the steady state the
-  sharded gradients exist (zero them in place, ``zero_grad(set_to_none=False)``, or
-  accumulate) and each reduction adds into them from the kept output;
+- a reduce-scatter output that becomes gradients as it is (a parameter's ``.grad`` was
+  ``None``: its shard is then a view of the output, no copy) is handed over and forgotten:
+  the next reduction allocates again. In the steady state the sharded gradients exist (zero
+  them in place, ``zero_grad(set_to_none=False)``, or accumulate) and each reduction adds
+  into them from the kept output; a narrower shard (bf16 gradients, fp32 masters) is upcast
+  inside the add, exactly, not through a cast copy (``ShardedParam.make_grad``);
 - the side streams (``gather``, ``reduce``) first wait for the current stream on every use
   ([Note: the stream interface] in ``fullshard.engine.streams``), which inside a capture
   forks them from the capturing stream, and every collective is waited on by the current
