@@ -516,7 +516,9 @@ def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if out is not None:
             return out
     make = lambda: torch.empty(numel, dtype=dtype, device=g.device)  # noqa: E731
-    return g.kept.take(g.keep_unsharded_storage, "reduce_out", numel, dtype, make)
+    # not kept under offload: the copy to the host may still read it when the next one starts
+    keep = g.keep_unsharded_storage and not g.offloaded
+    return g.kept.take(keep, "reduce_out", numel, dtype, make)
 
 
 def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:
