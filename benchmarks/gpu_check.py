@@ -1,6 +1,6 @@
 """The GPU check: fullshard against torch FSDP2 on one CUDA GPU (NCCL at world size 1).
 
-    bash scripts/gpu_check.sh [--out DIR] [--trace-dir DIR] [--budget-s 420] [--only KEYS]
+    bash scripts/gpu_check.sh [--out DIR] [--trace-dir DIR] [--budget-s 440] [--only KEYS]
     bash scripts/gpu_check.sh --dry-run --out DIR     # the same flow on the CPU, tiny sizes
 
 Checks, in order (``--only`` takes their keys):
@@ -25,6 +25,11 @@ Checks, in order (``--only`` takes their keys):
 - ``colocated``: the same Llama's weights handed by ``publish_colocated`` to an engine process
   on the same GPU as bf16 buckets through CUDA IPC handles (ms against ``publish`` into a
   receiver in-process; the engine's weights bit for bit, every view inside its bucket);
+- ``graph``: a 4-layer Llama's whole step (forward, loss, backward, ``finalize_backward``)
+  under ``set_keep_unsharded_storage`` and manual finalization captured with
+  ``torch.cuda.graphs.CUDAGraph`` after warm-up, replayed step after step and checked bit for
+  bit against the same steps eager (step times of both), after a steady-state step in which
+  the engine must create no tensor and make no host wait;
 - ``train``: ``fullshard train --preset llama-1b`` for 30 steps: tokens/s, MFU, step time and
   peak memory beside ``fullshard plan``'s prediction of the same run on an H200.
 
@@ -57,6 +62,7 @@ import torch.distributed as dist
 from gpu_check_colocated import check_colocated
 from gpu_check_common import Ctx
 from gpu_check_engines import check_comm_buffers, check_offload, check_parity
+from gpu_check_graph import check_graph
 from gpu_check_llama import check_llama
 from gpu_check_report import Check, Report, run_checks, table
 from gpu_check_rl import check_rl
@@ -71,6 +77,7 @@ CHECKS = (
     ("llama", "Llama 1B", check_llama, 100.0),
     ("rl", "RL weight sync + sleep/wake", check_rl, 40.0),
     ("colocated", "RL colocated buckets", check_colocated, 20.0),
+    ("graph", "CUDA graph of a whole step", check_graph, 25.0),
     ("train", "train --preset llama-1b", check_train, 120.0),
 )
 #: sizes: (on the GPU, under --dry-run); a flag given on the command line wins
@@ -87,6 +94,8 @@ SIZES = {
     "overhead_units": (64, 8),
     "rl_layers": (8, 2),
     "rl_repeats": (5, 2),
+    "graph_layers": (4, 2),
+    "graph_steps": (10, 3),
 }
 
 
@@ -95,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for gpu_check.json, gpu_check.md and the run's logs")
     p.add_argument("--trace-dir", help="keep the profiler traces here (default: a temp folder)")
     p.add_argument("--dry-run", action="store_true", help="every check on the CPU, tiny sizes")
-    p.add_argument("--budget-s", type=float, default=420.0, help="time budget of all checks")
+    p.add_argument("--budget-s", type=float, default=440.0, help="time budget of all checks")
     p.add_argument(
         "--only", type=lambda s: s.split(","), help=f"keys: {','.join(c[0] for c in CHECKS)}"
     )
@@ -112,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-units", type=int, help="units of the overhead model")
     p.add_argument("--rl-layers", type=int, help="decoder layers of the RL Llama (8 = 0.75B)")
     p.add_argument("--rl-repeats", type=int, help="timed weight syncs per method")
+    p.add_argument("--graph-layers", type=int, help="decoder layers of the captured Llama")
+    p.add_argument("--graph-steps", type=int, help="graph replays checked against eager")
     return p
 
 

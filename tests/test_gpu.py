@@ -215,3 +215,68 @@ def test_colocated_buckets_over_cuda_ipc(nccl) -> None:
     assert report.path == "colocated" and report.device == "cuda:0", report
     assert report.messages == seen["buckets"] > 1 and host.hits == [], (report, host.hits)
     assert seen["copies"] == [] and seen["devices"] == {"cuda:0"} and differ == [], seen
+
+
+def _capturable_net(bf16: bool):
+    from fullshard.capture import make_capturable
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    model = shard_net(make_net().cuda(), mp_policy=mp)
+    make_capturable(model)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _graph_step(model):
+    from fullshard.capture import finalize
+
+    def step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        finalize(model)
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-local", "bf16-packed"])
+def test_cuda_graph_replays_a_step(nccl, bf16: bool) -> None:
+    """[Note: a capturable step] (fullshard.engine.kept): the whole step (forward, loss,
+    backward, finalize) captured with torch.cuda.graphs after warm-up, then replayed, gives
+    the losses and parameters of the same steps run eagerly, bit for bit."""
+    from fullshard.capture import count_engine_work
+
+    warm, steps = 3, 4
+    data = [tuple(t.cuda() for t in batch(s)) for s in range(warm + steps)]
+    eager, opt = _capturable_net(bf16)
+    step, eager_losses = _graph_step(eager), []
+    for x, y in data:
+        eager_losses.append(step(x, y))
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    model, opt = _capturable_net(bf16)
+    step, losses = _graph_step(model), []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, y in data[:warm]:  # the last one (the steady state) counted
+            with count_engine_work() as seen:
+                losses.append(step(x, y))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    torch.cuda.current_stream().wait_stream(side)
+    assert seen.created == [] and seen.syncs == [], (seen.created, seen.syncs)
+    sx, sy = (t.clone() for t in data[warm])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(sx, sy)
+    for x, y in data[warm:]:
+        sx.copy_(x)
+        sy.copy_(y)
+        graph.replay()
+        losses.append(static_loss.clone())
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses)), (losses, eager_losses)
+    a, b = full_state(model), full_state(eager)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]

@@ -109,10 +109,12 @@ def test_the_dry_run_runs_every_check_and_writes_the_report(tmp_path: Path) -> N
         assert any(title in check for check in verdicts), (title, verdicts)
     for title in ("RL colocated: publish_colocated", "RL colocated: engine == publish()"):
         assert any(title in check for check in verdicts), (title, verdicts)
+    for title in ("graph: engine tensors created", "captured steps == eager", "graph: step time"):
+        assert verdicts[next(c for c in verdicts if title in c)] in ("PASS", "INFO"), title
     rl = {check: v for check, v in verdicts.items() if check.startswith("RL ")}
     assert len(rl) == 8 and set(rl.values()) <= {"PASS", "INFO"}, rl
     assert set(report["details"]) >= {
-        "offload_copy_overlap", "llama_prefetch", "train", "rl", "colocated",
+        "offload_copy_overlap", "llama_prefetch", "train", "rl", "colocated", "graph",
     }  # fmt: skip
     markdown = (out / "gpu_check.md").read_text()
     assert "| check | fullshard | FSDP2 / plan | verdict | note |" in markdown

@@ -208,6 +208,8 @@ class FSDPModule(_TorchFSDPModule):
         for st in self._states(recurse):
             for group in (st.group, *st.group.subgroups):
                 group.keep_unsharded_storage = keep
+                if not keep:
+                    group.kept.clear()
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Whether the caller ends each backward iteration with :meth:`finalize_backward`

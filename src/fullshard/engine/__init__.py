@@ -19,7 +19,8 @@ The names, by what they are for:
   engine's), ``count_collectives`` / ``CollectiveStats``, FSDP2's custom-comm
   protocol (``AllGatherComm``, ``ReduceScatterComm``, ``BackendAllGather``,
   ``BackendReduceScatter``, ``BufferSource``, ``separate_reduce_scatter_groups``),
-  ``select_transport``, ``BackendPlan``, ``CommStreams``, ``user_stream``;
+  ``select_transport``, ``BackendPlan``, ``CommStreams``, ``user_stream``, and the CPU's
+  stand-ins for CUDA streams and events (``LogicalStream``, ``LogicalEvent``);
 - backward finalization: ``finalize_backward``, ``set_manual_backward_finalization``,
   ``GradientReductionHandle``;
 - meshes: ``MeshInfo``, ``default_mesh``, ``mesh_info``, ``mesh_info_from_dims``;
@@ -61,6 +62,7 @@ from .overrides import (
 from .param import ShardedParam, dtensor_like
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import ShardedState, TrainingState
+from .streamcheck import LogicalEvent, LogicalStream
 from .streams import CommStreams, user_stream
 from .transport import select_transport
 
@@ -83,6 +85,8 @@ __all__ = [
     "FullyShardError",
     "GradientReductionHandle",
     "Handle",
+    "LogicalEvent",
+    "LogicalStream",
     "MeshInfo",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .events import emit
+from .kept import KeptBuffers
 from .labels import label
 from .overrides import allocate
 from .param import ShardedParam
@@ -48,6 +49,9 @@ class GatherUnit(CommUnit, Protocol):
 
     # the kept copy of int ``reshard_after_forward`` (the gather consumes it)
     post_forward_chunk: torch.Tensor | None
+    # set_keep_unsharded_storage, and the buffers it keeps ([Note: a capturable step])
+    keep_unsharded_storage: bool
+    kept: KeptBuffers
 
     @property
     def layout(self) -> list[ShardedParam]:
@@ -160,8 +164,9 @@ def _gather_packed(g: GatherUnit) -> PendingGather:
         del full
         out = allocate(comm, inp.numel() * g.world, inp.dtype, g.device)
     else:  # in place: this rank's slot of the output is the input (no extra copy)
-        group = g.info.shard_group
-        out = allocate(comm, g.world * g.total, wire, g.device)
+        group, n = g.info.shard_group, g.world * g.total
+        keep = g.keep_unsharded_storage and comm is None  # [Note: a capturable step]
+        out = g.kept.take(keep, "gather", n, wire, lambda: allocate(comm, n, wire, g.device))
         with g.comm.streams.use("gather"):  # offload: the H2D copy-in runs on the side stream
             inp = _pack_shards(g, out.view(g.world, g.total)[g.info.shard_rank])
     with g.comm.streams.use("gather"):
@@ -217,6 +222,7 @@ def finish_gather(g: GatherUnit, pending: PendingGather) -> None:
         _allocate(g, buf)
         sizes = [sp.shard_numel for sp in g.layout]
         torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())
+    g.kept.give_back(pending.packed)  # copy-out queued: the next gather's writes wait for it
     _copy_out(g)
 
 

@@ -22,6 +22,7 @@ from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from .events import emit
 from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
+from .kept import KeptBuffers
 from .labels import labelled
 from .mesh import MeshInfo
 from .overrides import CommOverrides
@@ -84,9 +85,10 @@ class ParamGroup:
         # child groups share.
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # False: backward needs no parameter (e.g. embedding)
-        # set_keep_unsharded_storage: resharding keeps the buffer's memory (and so its
-        # address) and only registers the sharded parameters again
+        # set_keep_unsharded_storage: resharding keeps the buffer's memory (and so its address)
+        # and the comm buffers in ``kept`` ([Note: a capturable step] in fullshard.engine.kept)
         self.keep_unsharded_storage = False
+        self.kept = KeptBuffers()
         # custom comms, hook and gradient knobs (fullshard.engine.overrides), shared by children
         self.overrides = CommOverrides()
         self.partial = PartialReduce()  # HSDP accumulation without the all-reduce
@@ -463,6 +465,7 @@ class ParamGroup:
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             if self._gather is not None:
                 self._gather.handle.wait()  # dropped with the state (below)
+                self.kept.give_back(self._gather.packed)
             if self.extended is not None:
                 self.extended.wait_dropped()
         self.post_forward_chunk = None

@@ -507,11 +507,10 @@ class ShardedParam:
 
     def make_grad(self, local_grad: torch.Tensor) -> None:
         """Set (or accumulate into) the sharded gradient from this rank's reduced shard."""
-        if local_grad.dtype != self.orig_dtype:
-            local_grad = local_grad.to(self.orig_dtype)
         local_grad = local_grad.view(self.local_shape)
         grad = self.sharded_param.grad
         if grad is None:
+            local_grad = local_grad.to(self.orig_dtype)
             if local_grad.device != self.local.device:
                 local_grad = local_grad.to(self.local.device)
             # The gradient has the parameter's mesh, placements, shape, stride and dtype: reuse
@@ -520,7 +519,12 @@ class ShardedParam:
             self.sharded_param.grad = dtensor_like(local_grad, self.sharded_param)
         else:
             assert isinstance(grad, DTensor)
-            grad._local_tensor.add_(local_grad.to(grad._local_tensor.device))
+            into = grad._local_tensor
+            # a narrower shard is upcast inside the add, exactly: no cast copy ([Note: a
+            # capturable step] in fullshard.engine.kept); a wider one rounds first, as before
+            if torch.promote_types(into.dtype, local_grad.dtype) != into.dtype:
+                local_grad = local_grad.to(into.dtype)
+            into.add_(local_grad.to(into.device))
         self.run_post_accumulate_grad_hooks()
 
     def reads_grad_on_arrival(self) -> bool:

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from .events import emit
+from .kept import KeptBuffers
 from .labels import labelled
 from .overrides import CommOverrides, allocate
 from .param import ShardedParam, dtensor_like
@@ -132,6 +133,13 @@ class ReduceUnit(CommUnit, Protocol):
 
     def unsharded_nbytes(self) -> int: ...
 
+    @property
+    def keep_unsharded_storage(self) -> bool: ...
+
+    @property
+    def kept(self) -> KeptBuffers:
+        """The buffers kept across steps ([Note: a capturable step] in ``fullshard.engine.kept``)."""
+
 
 @dataclass
 class PendingReduce:
@@ -156,6 +164,8 @@ class PendingReduce:
     overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
     nbytes: int = 0  # the unit's unsharded bytes, for the CPU's window of reductions in flight
     hooked: Any = None  # the hook stream's event once the hook ran there (advance)
+    # the unit's kept buffers and the ones this reduction took ([Note: a capturable step])
+    kept: tuple[KeptBuffers, tuple[torch.Tensor, ...]] | None = None
 
     @property
     def continues(self) -> bool:
@@ -209,6 +219,17 @@ class PendingReduce:
         """Wait for everything in flight; the results are dropped (``reset_iter_state``)."""
         self.handle.wait()
         self._wait_hook()
+        self._give_back(handed=False)
+
+    def _give_back(self, handed: bool) -> None:
+        """The collective has been waited on: the kept buffers are free again, or forgotten
+        if the output became gradients (``handed``; [Note: a capturable step])."""
+        if self.kept is not None:
+            kept, bufs = self.kept
+            if handed:  # the output (bufs[0]; the input too where it is the output)
+                kept.forget(bufs[0])
+            kept.give_back(*bufs)
+            self.kept = None
 
     def _wait_hook(self) -> bool:
         """The current stream waits for the hook's stream, if the hook ran there."""
@@ -226,10 +247,13 @@ class PendingReduce:
         hooked = self._wait_hook()
         self.send = None  # the compute stream has waited for the collective: safe to free
         if self.replicate_group is None and self.partial is not None:
+            self._give_back(handed=self.partial.total is None)  # the first becomes the sum
             self.partial.add(self.output, self.params)
             return
         if not hooked:
             self._divide_and_hook()
+        # a shard without a gradient yet becomes one as it is: the output is handed over
+        self._give_back(handed=any(sp.sharded_param.grad is None for sp in self.params))
         for sp, off in zip(self.params, self.offsets):
             shard = self.output[off : off + sp.local_numel]
             # a CPU run copies too ([Note: the offload copy on the CPU] in
@@ -376,7 +400,18 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         partial=g.partial if hsdp else None,
         overrides=g.overrides,
         nbytes=g.unsharded_nbytes(),
+        kept=_taken(g, out, send),
     )
+
+
+def _taken(
+    g: ReduceUnit, out: torch.Tensor, send: object
+) -> tuple[KeptBuffers, tuple[torch.Tensor, ...]] | None:
+    """What :attr:`PendingReduce.kept` holds: only with kept buffers (it keeps ``send``
+    referenced until the reduction finishes)."""
+    if not g.keep_unsharded_storage:
+        return None
+    return g.kept, (out, *([send] if isinstance(send, torch.Tensor) else []))
 
 
 def _reduce_packed(
@@ -396,7 +431,10 @@ def _reduce_packed(
     """
     world = g.world
     comm = g.overrides.reduce_scatter  # custom ReduceScatter: allocates, runs the collective
-    send = allocate(comm, world * total, dtype, g.device).view(world, total)
+    keep = g.keep_unsharded_storage and comm is None  # [Note: a capturable step]
+    n = world * total
+    send = g.kept.take(keep, "reduce_in", n, dtype, lambda: allocate(comm, n, dtype, g.device))
+    send = send.view(world, total)
     for i, (sp, o) in enumerate(zip(params, offsets)):
         grad = grads[i]
         assert grad is not None
@@ -477,7 +515,10 @@ def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
         out = host.grad_output(numel, dtype)
         if out is not None:
             return out
-    return torch.empty(numel, dtype=dtype, device=g.device)
+    make = lambda: torch.empty(numel, dtype=dtype, device=g.device)  # noqa: E731
+    # not kept under offload: the copy to the host may still read it when the next one starts
+    keep = g.keep_unsharded_storage and not g.offloaded
+    return g.kept.take(keep, "reduce_out", numel, dtype, make)
 
 
 def hand_out_local(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> None:

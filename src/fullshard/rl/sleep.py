@@ -311,11 +311,15 @@ def _check_between_steps(states: list[FSDPState]) -> None:
 
 
 def _drop_pooled(states: list[FSDPState]) -> None:
-    """The CPU's pooled buffers (fullshard.engine.host) hold freed memory only."""
+    """The CPU's pooled buffers (fullshard.engine.host) hold freed memory only, and the comm
+    buffers kept for a capturable step are scratch (made again by the next step)."""
     ctx = states[0].ctx
     host = ctx.host if ctx is not None else None
     if host is not None and host.pool is not None:
         host.pool.clear()
+    for st in states:
+        for g in (st.group, *st.group.subgroups):
+            g.kept.clear()
 
 
 def _engine_buffers(states: list[FSDPState]) -> list[tuple[torch.UntypedStorage, int]]:
