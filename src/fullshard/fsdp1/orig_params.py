@@ -28,6 +28,7 @@ from .state_dict import clean_fqn
 
 __all__ = [
     "named_originals",
+    "note_replaced",
     "record_replaced",
     "refuse_in_backward_optimizers",
     "swap_replaced",
@@ -52,7 +53,21 @@ def record_replaced(before: dict[str, nn.Parameter], wrapper: nn.Module) -> None
             continue
         _REPLACED[old] = new
         old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-    if len(_REPLACED) and not _HOOK:
+    if len(_REPLACED):
+        _install_hook()
+
+
+def note_replaced(old: nn.Parameter, new: nn.Parameter) -> None:
+    """Record that ``new`` took ``old``'s place in a wrapper (a writeback: see
+    ``fullshard.fsdp1.writeback``), so optimizers holding ``old`` step ``new``; ``old``'s
+    data is left as it is."""
+    _REPLACED.pop(new, None)  # the current one replaces nothing (no cycle if ``old`` returns)
+    _REPLACED[old] = new
+    _install_hook()
+
+
+def _install_hook() -> None:
+    if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
@@ -66,6 +81,8 @@ def swap_replaced(optim: torch.optim.Optimizer) -> None:
             new = _REPLACED.get(p)
             if new is None:
                 continue
+            while (newer := _REPLACED.get(new)) is not None:  # replaced again since
+                new = newer
             params[i] = new
             if p in optim.state:
                 optim.state[new] = optim.state.pop(p)
