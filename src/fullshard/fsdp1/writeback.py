@@ -134,6 +134,8 @@ def _record_storages(group: ParamGroup) -> None:
 
 def write_back(group: ParamGroup, strategy: Any = None) -> None:
     """Write back, or refuse, what was changed by hand on ``group``'s parameters (the Note)."""
+    if group.state is ShardedState.UNSHARDING:  # checked when the gather was issued
+        return
     kept = group.state is ShardedState.UNSHARDED
     for sp in group.params:
         module, name = sp.refs[0]
