@@ -49,7 +49,14 @@ from torch.utils._foreach_utils import _foreach_supported_types
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..checkpoint.shards import local_box, slices
-from ..engine import FSDPState, ParamGroup, ShardedParam, ShardedState, dtensor_like
+from ..engine import (
+    DTENSOR_SUBCLASS_VIEWS,
+    FSDPState,
+    ParamGroup,
+    ShardedParam,
+    ShardedState,
+    dtensor_like,
+)
 from .orig_params import note_replaced
 from .state_dict import clean_fqn
 
@@ -58,6 +65,7 @@ __all__ = ["WritableShard", "install", "write_back"]
 _DATA: Any = torch._C.TensorBase.data  # torch's own ``data`` descriptor
 _FQN = WeakIdKeyDictionary()  # a wrapper's sharded parameter -> its clean FQN
 _STORAGE = WeakIdKeyDictionary()  # an unsharded parameter -> its storage when gathered
+_WRAPPER = WeakIdKeyDictionary()  # torch < 2.11: a sharded parameter -> its wrapper's storage
 
 
 class WritableShard(DTensor):
@@ -110,9 +118,24 @@ def _local_part(like: DTensor, new: Any, what: str) -> torch.Tensor:
 
 
 def _mark(param: torch.Tensor, fqn: str) -> None:
-    if type(param) is DTensor:
+    if DTENSOR_SUBCLASS_VIEWS and type(param) is DTensor:
         param.__class__ = WritableShard
+    elif not DTENSOR_SUBCLASS_VIEWS:  # see _check_data_kept
+        _WRAPPER[param] = param.untyped_storage()._cdata
     _FQN[param] = fqn
+
+
+def _check_data_kept(sp: ShardedParam) -> None:
+    """torch < 2.11 (no :class:`WritableShard`): refuse a ``.data`` set on the sharded
+    parameter, whose values torch's ``DTensor`` dropped (its wrapper's storage changed)."""
+    param = sp.sharded_param
+    if _WRAPPER.get(param, None) in (None, param.untyped_storage()._cdata):
+        return
+    raise RuntimeError(
+        f"Cannot writeback: {clean_fqn(sp.fqn)!r}'s .data was set, and on torch "
+        f"{torch.__version__} DTensor keeps its old values when .data is set. Copy the new "
+        f"values in instead (with torch.no_grad(): param.copy_(new)), or use torch 2.11 or newer"
+    )
 
 
 def install(state: FSDPState, strategy: Any) -> None:
@@ -141,6 +164,8 @@ def write_back(group: ParamGroup, strategy: Any = None) -> None:
         module, name = sp.refs[0]
         current = module._parameters.get(name)
         if current is sp.sharded_param:
+            if not DTENSOR_SUBCLASS_VIEWS:
+                _check_data_kept(sp)
             _check_grad(sp)
             continue
         up = sp.unsharded_param
@@ -187,11 +212,16 @@ def _check_grad(sp: ShardedParam) -> None:
     """A gradient set by hand as a plain tensor of the full shape: cut to this rank's part."""
     param = sp.sharded_param
     grad = param.grad
-    if grad is None or type(grad) is WritableShard:
-        return
+    if (
+        grad is None
+        or type(grad) is WritableShard
+        or getattr(grad, "_spec", None) is cast(DTensor, param)._spec
+    ):
+        return  # none, or the engine's (it shares the parameter's spec)
     assert isinstance(param, DTensor)
     local = _local_part(param, grad, f"{clean_fqn(sp.fqn)!r}'s .grad was set to")
     if isinstance(grad, DTensor):  # already this rank's part: keep it, .data set included
-        grad.__class__ = WritableShard
+        if DTENSOR_SUBCLASS_VIEWS:
+            grad.__class__ = WritableShard
         return
     param.grad = dtensor_like(local.to(param.dtype).contiguous(), param)
