@@ -30,16 +30,23 @@ is a matter of not losing what users write:
   step the new one (``orig_params.note_replaced``); a plain one of the full shape leaves the
   engine's parameter registered. Another shape, mesh or placement raises ``RuntimeError``.
 - while the unit keeps its unsharded parameters after forward (``SHARD_GRAD_OP``, the root),
-  the registered unsharded parameter must be the engine's and keep the storage it had when
-  gathered (recorded by ``ParamGroup.post_unshard``); otherwise FSDP1's ``AssertionError``.
+  the registered unsharded parameter must be the engine's and keep the memory it had when
+  gathered (its data pointer, recorded by ``ParamGroup.post_unshard``); otherwise FSDP1's
+  ``AssertionError``.
 
 Tied parameters are checked through their first module. fullshard does this whatever
-``use_orig_params`` says, since its parameters are always the originals.
+``use_orig_params`` says, since its parameters are always the originals. Two differences from
+FSDP1: an optimizer built before a replacement steps the new parameter (FSDP1's keeps the old
+one, which no longer gets gradients), and the root, which fullshard keeps unsharded after a
+forward under ``FULL_SHARD`` too (as FSDP2), refuses a change there as ``SHARD_GRAD_OP``
+does. On torch before 2.11, whose ``DTensor`` view ops refuse a subclass, there is no
+:class:`WritableShard`: a ``.data`` set on a sharded parameter is refused at the next unshard
+(``RuntimeError``, telling to copy in place), and one on a gradient is lost as with a plain
+``DTensor``.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, cast
 
 import torch
@@ -64,7 +71,6 @@ __all__ = ["WritableShard", "install", "write_back"]
 
 _DATA: Any = torch._C.TensorBase.data  # torch's own ``data`` descriptor
 _FQN = WeakIdKeyDictionary()  # a wrapper's sharded parameter -> its clean FQN
-_STORAGE = WeakIdKeyDictionary()  # an unsharded parameter -> its storage when gathered
 _WRAPPER = WeakIdKeyDictionary()  # torch < 2.11: a sharded parameter -> its wrapper's storage
 
 
@@ -144,19 +150,33 @@ def install(state: FSDPState, strategy: Any) -> None:
     group = state.group
     for sp in group.params:
         _mark(sp.sharded_param, clean_fqn(sp.fqn))
-    group.pre_unshard = functools.partial(write_back, strategy=strategy)
-    group.post_unshard = _record_storages
+    watch = _Watch(strategy)
+    group.pre_unshard = watch.before
+    group.post_unshard = watch.after
 
 
-def _record_storages(group: ParamGroup) -> None:
-    for sp in group.params:
-        up = sp.unsharded_param
-        if up is not None:
-            _STORAGE[up] = up.untyped_storage()._cdata
+class _Watch:
+    """One unit's hooks: :func:`write_back` before each unshard; once gathered, the data
+    pointer of each unsharded parameter (by ``id``), which a ``.data`` set would change."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.gathered: dict[int, int] = {}
+
+    def before(self, group: ParamGroup) -> None:
+        write_back(group, self.strategy, self.gathered)
+
+    def after(self, group: ParamGroup) -> None:
+        self.gathered = {
+            id(up): up.data_ptr() for sp in group.params if (up := sp.unsharded_param) is not None
+        }
 
 
-def write_back(group: ParamGroup, strategy: Any = None) -> None:
-    """Write back, or refuse, what was changed by hand on ``group``'s parameters (the Note)."""
+def write_back(
+    group: ParamGroup, strategy: Any = None, gathered: dict[int, int] | None = None
+) -> None:
+    """Write back, or refuse, what was changed by hand on ``group``'s parameters (the Note;
+    ``gathered``: :class:`_Watch`'s data pointers)."""
     if group.state is ShardedState.UNSHARDING:  # checked when the gather was issued
         return
     kept = group.state is ShardedState.UNSHARDED
@@ -170,7 +190,7 @@ def write_back(group: ParamGroup, strategy: Any = None) -> None:
             continue
         up = sp.unsharded_param
         if current is not None and current is up:
-            if up.untyped_storage()._cdata == _STORAGE.get(up, up.untyped_storage()._cdata):
+            if gathered is None or gathered.get(id(up), up.data_ptr()) == up.data_ptr():
                 continue
             raise AssertionError(_changed_while_kept(sp, strategy, "had its .data set"))
         if kept:
