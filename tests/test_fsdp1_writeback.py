@@ -7,6 +7,7 @@ use_orig_params writeback] in ``fullshard.fsdp1.writeback``.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -148,13 +149,21 @@ def _data_refused() -> str:
     return _outcome(lambda: model(_inp(0)))
 
 
+def _deepcopy_target(engine: str) -> torch.Tensor:
+    model = _wrap(engine, "full")
+    model(_inp(0)).sum().backward()
+    return model.module.lin1.weight  # type: ignore[no-any-return]
+
+
 def _cases() -> dict[str, Any]:
     out: dict[str, Any] = {}
     # torch < 2.11 cannot take a .data set on a DTensor (see the Note): refused instead
     data = ("data",) if DTENSOR_SUBCLASS_VIEWS else ()
     if not DTENSOR_SUBCLASS_VIEWS:
         out["refused"] = _data_refused()
-    for engine in ENGINES:
+    for engine in ENGINES:  # a wrapped parameter still deep-copies (and its gradient)
+        weight = _deepcopy_target(engine)
+        out[f"deepcopy/{engine}"] = _outcome(lambda: copy.deepcopy(weight))  # noqa: B023
         for strategy in STRATEGIES:
             for which in ("lin1", "lin2"):
                 for how in ("replace", *data):
@@ -207,6 +216,8 @@ def test_param_writeback_matches_fsdp1() -> None:
     each rank, under FULL_SHARD and SHARD_GRAD_OP."""
     for rank, case, ours, ref in _pairs("param"):
         _assert_same(ours, ref, f"rank {rank} {case}")
+    for got in _results():
+        assert got["deepcopy/fullshard"] == got["deepcopy/torch"] == "ok", got["deepcopy/fullshard"]
     if not DTENSOR_SUBCLASS_VIEWS:
         for got in _results():
             assert got["refused"].startswith("RuntimeError: Cannot writeback: 'lin1.weight'")

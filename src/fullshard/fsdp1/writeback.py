@@ -47,6 +47,7 @@ does. On torch before 2.11, whose ``DTensor`` view ops refuse a subclass, there 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, cast
 
 import torch
@@ -91,6 +92,18 @@ class WritableShard(DTensor):
         local = _local_part(self, new, name + " was set to")
         with torch.no_grad():
             self._local_tensor.copy_(local)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
+        """A copy is a plain ``DTensor`` (``Parameter``), which no wrapper manages."""
+        if id(self) in memo:
+            return cast(DTensor, memo[id(self)])
+        out = self.detach().clone()
+        if isinstance(self, nn.Parameter):
+            out = nn.Parameter(out, requires_grad=self.requires_grad)
+        if self.grad is not None:
+            out.grad = copy.deepcopy(self.grad, memo)
+        memo[id(self)] = out
+        return cast(DTensor, out)
 
 
 if WritableShard not in _foreach_supported_types:  # optimizers' foreach paths take it as DTensor
