@@ -41,7 +41,7 @@ SUBSET=(tests/test_engine.py tests/test_fsdp2_compat.py tests/test_fsdp2_misuse.
         tests/test_fsdp1_api.py tests/test_fsdp1_checkpoint.py tests/test_rl_sync.py
         tests/test_rl_sleep.py tests/test_rl_private_names.py tests/test_tp_reduce_dtype.py
         tests/test_all_reduce_hook_stream.py tests/test_fsdp2_traps.py
-        tests/test_backward_orders.py)
+        tests/test_backward_orders.py tests/test_fsdp1_writeback.py)
 MODE=pytest
 ARGS=(tests)
 if [ $# -gt 0 ]; then

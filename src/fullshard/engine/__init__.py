@@ -25,8 +25,8 @@ The names, by what they are for:
   ``GradientReductionHandle``;
 - meshes: ``MeshInfo``, ``default_mesh``, ``mesh_info``, ``mesh_info_from_dims``;
 - facts about the installed torch: ``check_supported``, ``require``, ``require_method``,
-  ``root_mesh`` and the features (``DP_MESH_DIMS``, ``SHARE_COMM_CTX``,
-  ``LAUNCH_SHUTDOWN_TIMEOUT``, ``DataParallelMeshDims``);
+  ``root_mesh`` and the features (``DP_MESH_DIMS``, ``DTENSOR_SUBCLASS_VIEWS``,
+  ``SHARE_COMM_CTX``, ``LAUNCH_SHUTDOWN_TIMEOUT``, ``DataParallelMeshDims``);
 - ``FullyShardError`` and the profiler's ``label``.
 """
 
@@ -34,6 +34,7 @@ from .backend import BackendPlan
 from .collectives import CollectiveStats, all_gather, all_reduce, count_collectives
 from .compat import (
     DP_MESH_DIMS,
+    DTENSOR_SUBCLASS_VIEWS,
     LAUNCH_SHUTDOWN_TIMEOUT,
     SHARE_COMM_CTX,
     DataParallelMeshDims,
@@ -68,6 +69,7 @@ from .transport import select_transport
 
 __all__ = [
     "DP_MESH_DIMS",
+    "DTENSOR_SUBCLASS_VIEWS",
     "LAUNCH_SHUTDOWN_TIMEOUT",
     "SHARE_COMM_CTX",
     "STATE_ATTR",

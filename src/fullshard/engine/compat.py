@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "DP_MESH_DIMS",
+    "DTENSOR_SUBCLASS_VIEWS",
     "FSDP_MODULE_METHODS_SINCE",
     "LAUNCH_SHUTDOWN_TIMEOUT",
     "MP_HAS_PARAM_DTYPE_OVERRIDE",
@@ -116,6 +117,10 @@ STORAGE_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
 #: torch's pipelining finishes a stage's backward with ``finalize_backward`` (2.15) rather than
 #: through ``fully_shard.state(module)`` (2.14 and older; see ``fullshard.torch_state``).
 PIPELINING_USES_FINALIZE_BACKWARD = TORCH_VERSION >= (2, 15)
+
+#: DTensor's view ops accept a subclass of ``DTensor`` (torch 2.11; 2.9 asserts that the view's
+#: class is its input's): the FSDP1 wrapper's ``WritableShard`` (fullshard.fsdp1.writeback).
+DTENSOR_SUBCLASS_VIEWS = TORCH_VERSION >= (2, 11)
 
 
 def check_supported() -> str | None:

@@ -113,6 +113,10 @@ class ParamGroup:
         self._regions: list[torch.Tensor] = []
         # Local transport: the shard tensors the unsharded parameters alias (one per layout).
         self._aliased: list[torch.Tensor] = []
+        # The FSDP1 wrapper's writeback check, before every unshard and once gathered ([Note:
+        # use_orig_params writeback] in fullshard.fsdp1.writeback); None under fully_shard.
+        self.pre_unshard: Callable[[ParamGroup], None] | None = None
+        self.post_unshard: Callable[[ParamGroup], None] | None = None
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -411,6 +415,8 @@ class ParamGroup:
     @labelled("all_gather")
     def unshard(self) -> None:
         """Issue the all-gather of this unit's parameters (no-op if unsharded or in flight)."""
+        if self.pre_unshard is not None:
+            self.pre_unshard(self)
         if not self.params or self.state in (ShardedState.UNSHARDED, ShardedState.UNSHARDING):
             return
         gather = None
@@ -453,6 +459,8 @@ class ParamGroup:
             sp.to_unsharded()
         self._gathered_versions = self._unsharded_versions()
         self._to(ShardedState.UNSHARDED)
+        if self.post_unshard is not None:
+            self.post_unshard(self)
 
     # ---------------------------------------------------------------------------- reshard
     @labelled("reshard")

@@ -547,8 +547,12 @@ def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def dtensor_like(local: torch.Tensor, like: torch.Tensor) -> DTensor:
-    """A DTensor with ``like``'s spec around ``local`` (no autograd, no checks)."""
+def dtensor_like(
+    local: torch.Tensor, like: torch.Tensor, cls: type[DTensor] | None = None
+) -> DTensor:
+    """A DTensor with ``like``'s spec around ``local`` (no autograd, no checks), of class
+    ``cls``, by default ``like``'s (a gradient keeps its parameter's ``DTensor`` subclass, such
+    as the FSDP1 wrapper's: [Note: use_orig_params writeback] in fullshard.fsdp1.writeback)."""
     assert isinstance(like, DTensor)
     # DTensor.__init__ is a no-op behind a dynamo guard; __new__ alone builds the tensor.
-    return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
+    return DTensor.__new__(cls or type(like), local, like._spec, requires_grad=False)

@@ -35,6 +35,7 @@ from .state_dict import clean_fqn
 
 __all__ = [
     "named_originals",
+    "note_replaced",
     "record_replaced",
     "refuse_in_backward_optimizers",
     "swap_replaced",
@@ -67,6 +68,17 @@ def record_replaced(before: dict[str, nn.Parameter], wrapper: nn.Module) -> None
         _install_hook()
 
 
+def note_replaced(old: nn.Parameter, new: nn.Parameter) -> None:
+    """Record that ``new`` took ``old``'s place in a wrapper (a writeback: see
+    ``fullshard.fsdp1.writeback``), so optimizers holding ``old`` step ``new``; ``old``'s
+    data is left as it is."""
+    _REPLACED.pop(new, None)  # the current one replaces nothing (no cycle if ``old`` returns)
+    if old not in _REPLACED:
+        weakref.finalize(old, _released)
+    _REPLACED[old] = new
+    _install_hook()
+
+
 def _install_hook() -> None:
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
@@ -96,6 +108,8 @@ def swap_replaced(optim: torch.optim.Optimizer) -> None:
             new = _REPLACED.get(p)
             if new is None:
                 continue
+            while (newer := _REPLACED.get(new)) is not None:  # replaced again since
+                new = newer
             params[i] = new
             if p in optim.state:
                 optim.state[new] = optim.state.pop(p)

@@ -60,6 +60,8 @@ from .optim_api import OptimStateDictMethods
 from .orig_params import named_originals, record_replaced, refuse_in_backward_optimizers
 from .summon import check_summon_args, summon
 from .wrap import auto_wrap
+from .writeback import install as install_writeback
+from .writeback import write_back
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "TrainingState"]
 
@@ -164,8 +166,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
         own_params = [(sp.fqn, sp.orig_shape) for sp in self._unit.group.params]
         config.check_same_params(module, own_params, group)
         record_replaced(originals, self)
-        self._mark_flattened()
         self._finish_init(group, size, info.device, kwargs, ignored_mods, ignored_params)
+        self._mark_flattened()
 
     @staticmethod
     def _mesh_and_children(
@@ -405,8 +407,10 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
 
     def _mark_flattened(self) -> None:
         """Mark this wrapper's parameters with FSDP1's ``_fsdp_flattened``, which frameworks
-        read as "managed by FSDP" (``fullshard.fsdp1.flat_param``)."""
+        read as "managed by FSDP" (``fullshard.fsdp1.flat_param``), and give them FSDP1's
+        writeback (``fullshard.fsdp1.writeback``)."""
         mark_flattened(sp.sharded_param for sp in self._unit.group.params)
+        install_writeback(self._unit, self._strategy)
 
     def _assert_state(self, state: Any) -> None:
         """Raise unless in ``state`` (one state or a list): ``fullshard.fsdp1.TrainingState``
@@ -558,6 +562,9 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
                 raise AssertionError(
                     "Cannot manually unshard parameters when already unsharding parameters"
                 )
+        for w in wrappers:  # FSDP1 writes back what was changed by hand before it unshards
+            w._unit.reshard_if_idle()
+            write_back(w._unit.group, w._strategy)
         with summon([w._unit for w in wrappers], writeback, rank0_only, offload_to_cpu, with_grads):
             for w in wrappers:
                 w._summoning = True

@@ -177,7 +177,7 @@ def _as_state(value: Any, before: Any, p: DTensor, local: torch.Tensor) -> Any:
     ):
         # Made during the step (zeros_like(param), clone(grad)): wrap it like its parameter.
         if value.dtype == local.dtype and value.stride() == local.stride():
-            return dtensor_like(value, p)
+            return dtensor_like(value, p, DTensor)
         return DTensor.from_local(
             value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
