@@ -443,7 +443,7 @@ def test_the_optimizer_hook_lives_only_while_it_is_needed() -> None:
     for round_ in range(2):
         assert out[f"{round_}/wrapped"] == 1, out
         assert out[f"{round_}/stepped"] and out[f"{round_}/stepped again"], out
-        assert set(out[f"{round_}/swapped"]) == {DTensor}, out
+        assert all(issubclass(t, DTensor) for t in out[f"{round_}/swapped"]), out
         assert out[f"{round_}/after"] == 0, out
 
 
