@@ -110,6 +110,7 @@ if os.environ.get({env!r}):
 """
 # pytest -v: "file.py::Class::test PASSED [ 10%]"
 _ERROR_LINE = re.compile(r"^[\w.]+(Error|Exception|Warning)\b")
+_RANK_EXITED = re.compile(r"(Process|Thread) \d+ exited with (error code|exception)")
 _VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b")
 
 
@@ -271,11 +272,12 @@ def _first_line(message: str) -> str:
     # pytest marks a traceback's error lines with a leading "E"
     lines = [re.sub(r"^E\s+", "", ln.strip()) for ln in message.splitlines() if ln.strip()]
     # torch's MultiProcessTestCase reports a rank's exception as "Process N exited with error
-    # code 10 and exception:" then the traceback: its last line names the error
+    # code 10 and exception:" (MultiThreadedTestCase: "Thread N exited with exception:") then
+    # the traceback: its last line names the error
     for i, ln in enumerate(lines):
-        if "exited with error code" in ln:
+        if _RANK_EXITED.search(ln):
             rest = lines[i + 1 :]
-            end = next((k for k, x in enumerate(rest) if "exited with error code" in x), None)
+            end = next((k for k, x in enumerate(rest) if _RANK_EXITED.search(x)), None)
             errs = [x for x in rest[:end] if _ERROR_LINE.match(x)]
             if errs:  # the traceback's last error line (the cause, not its re-raise)
                 return errs[-1][:300]

@@ -125,14 +125,20 @@ def test_junit_counting_and_a_rank_error_first_line(tmp_path: Path) -> None:
     ET.SubElement(bad, "failure", message="RuntimeError: Process 1 exited").text = rank_error
     err = ET.SubElement(suite, "testcase", classname="m.C", name="test_err")
     ET.SubElement(err, "error", message="ImportError: no module x")
+    thread = ET.SubElement(suite, "testcase", classname="m.C", name="test_thread")
+    thread_error = rank_error.replace(
+        "Process 1 exited with error code 10 and", "Thread 1 exited with"
+    )
+    ET.SubElement(thread, "failure", message="RuntimeError: Thread 1").text = thread_error
     ET.ElementTree(root).write(xml)
     r = mod.parse_junit(xml)
-    assert (r.passed, r.failed, r.errors, r.skipped) == (1, 1, 1, 1)
+    assert (r.passed, r.failed, r.errors, r.skipped) == (1, 2, 1, 1)
     assert r.passed_tests == ["m.C::test_ok"]
     assert r.skipped_tests == ["m.C::test_skip: Need at least 2 CUDA devices"]
     assert [f.first_line for f in r.failures] == [
         "ValueError: the real cause",
         "ImportError: no module x",
+        "ValueError: the real cause",  # a thread rank's (FSDPTestMultiThread)
     ]
 
 
