@@ -1,16 +1,21 @@
-"""Run PyTorch's own FSDP1 tests on CPU/gloo under torch's FSDP1 or under fullshard's wrapper.
+"""Run PyTorch's own FSDP1 or FSDP2 tests on CPU/gloo under torch's FSDP or under fullshard.
 
     python scripts/fsdp1_upstream.py --tests-dir DIR                     # both engines
     python scripts/fsdp1_upstream.py --tests-dir DIR --engine fullshard \\
         --files test_fsdp_grad_acc.py -k use_orig_params --out /tmp/fsdp1-up
     python scripts/fsdp1_upstream.py --tests-dir DIR --src ../other-checkout/src  # its fullshard
+    python scripts/fsdp1_upstream.py --suite fsdp2 --tests-dir DIR2      # FSDP2's files
 
-``DIR`` holds torch's ``test/distributed/fsdp/*.py`` of the installed torch version (this script
-downloads nothing). Each chosen file runs under pytest in its own process, once per engine:
+``DIR`` holds torch's ``test/distributed/fsdp/*.py`` (FSDP1, ``--suite fsdp1``, the default) or
+``DIR2`` its ``test/distributed/_composable/fsdp/*.py`` (FSDP2, ``--suite fsdp2``) of the
+installed torch version (this script downloads nothing); the suite only picks the default
+``--files``. Each chosen file runs under pytest in its own process, once per engine:
 
-* ``torch``: torch's ``FullyShardedDataParallel`` (the control);
+* ``torch``: torch's ``FullyShardedDataParallel`` / ``fully_shard`` (the control);
 * ``fullshard``: the same tests with ``fullshard.patch_torch_fsdp()`` applied first, so every
-  ``FSDP(...)`` they build is fullshard's wrapper.
+  ``FSDP(...)`` they build is fullshard's wrapper and every ``fully_shard(...)`` fullshard's
+  (FSDP2's tests that reach into FSDP2's private modules, ``FSDPParamGroup`` or its autograd
+  functions, still see torch's, which fullshard never runs).
 
 The swap must happen in every process, before the test module imports FSDP, also in the ranks
 that torch's ``MultiProcessTestCase`` spawns: the script writes a ``sitecustomize.py`` into
@@ -19,7 +24,8 @@ start. :func:`boot` also makes torch's tests run on a machine without accelerato
 otherwise skip or are never instantiated:
 
 * ``skip_if_lt_x_gpu`` runs the test (as its own ``allow_cpu=True`` does), and ``FSDPTest``'s
-  rank entry point drops its "fewer accelerators than ranks" skip (gloo, every rank on the CPU);
+  rank entry point drops its "fewer accelerators than ranks" skip (gloo, every rank on the CPU;
+  ``FSDPTestMultiThread``'s thread ranks need nothing);
 * ``common_fsdp.DEVICE_COUNT`` (``FSDPTest``'s default world size, 1 on a CPU),
   ``torch.cpu.device_count()`` and ``torch.accelerator.device_count()`` (which test classes
   size their world by) answer ``--world-size``;
@@ -66,8 +72,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("torch", "fullshard")
-# The areas of torch's FSDP1 tests measured by default (those present in --tests-dir run).
-DEFAULT_FILES = (
+# The areas of torch's tests measured by default, per suite (those present in --tests-dir run).
+FSDP1_FILES = (
     "test_wrap.py",
     "test_fsdp_core.py",
     "test_fsdp_misc.py",
@@ -82,6 +88,16 @@ DEFAULT_FILES = (
     "test_fsdp_clip_grad_norm.py",
     "test_fsdp_summon_full_params.py",
 )
+FSDP2_FILES = (
+    "test_fully_shard_autograd.py",
+    "test_fully_shard_frozen.py",
+    "test_fully_shard_comm.py",
+    "test_fully_shard_training.py",
+    "test_fully_shard_mixed_precision.py",
+    "test_fully_shard_state.py",
+)
+SUITES = {"fsdp1": FSDP1_FILES, "fsdp2": FSDP2_FILES}
+SUITE_DIRS = {"fsdp1": "test/distributed/fsdp", "fsdp2": "test/distributed/_composable/fsdp"}
 ENV_ENGINE = "FULLSHARD_UPSTREAM_ENGINE"
 ENV_WORLD = "FULLSHARD_UPSTREAM_WORLD_SIZE"
 _SITECUSTOMIZE = """\
@@ -94,6 +110,7 @@ if os.environ.get({env!r}):
 """
 # pytest -v: "file.py::Class::test PASSED [ 10%]"
 _ERROR_LINE = re.compile(r"^[\w.]+(Error|Exception|Warning)\b")
+_RANK_EXITED = re.compile(r"(Process|Thread) \d+ exited with (error code|exception)")
 _VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b")
 
 
@@ -255,11 +272,12 @@ def _first_line(message: str) -> str:
     # pytest marks a traceback's error lines with a leading "E"
     lines = [re.sub(r"^E\s+", "", ln.strip()) for ln in message.splitlines() if ln.strip()]
     # torch's MultiProcessTestCase reports a rank's exception as "Process N exited with error
-    # code 10 and exception:" then the traceback: its last line names the error
+    # code 10 and exception:" (MultiThreadedTestCase: "Thread N exited with exception:") then
+    # the traceback: its last line names the error
     for i, ln in enumerate(lines):
-        if "exited with error code" in ln:
+        if _RANK_EXITED.search(ln):
             rest = lines[i + 1 :]
-            end = next((k for k, x in enumerate(rest) if "exited with error code" in x), None)
+            end = next((k for k, x in enumerate(rest) if _RANK_EXITED.search(x)), None)
             errs = [x for x in rest[:end] if _ERROR_LINE.match(x)]
             if errs:  # the traceback's last error line (the cause, not its re-raise)
                 return errs[-1][:300]
@@ -375,6 +393,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
         "fullshard_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
         "fullshard_src": str(args.src.resolve()),
         "world_size": args.world_size,
+        "suite": args.suite,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
 
@@ -393,7 +412,7 @@ def regressions(files: dict[str, dict[str, FileResult]]) -> list[tuple[str, Fail
 def render_markdown(meta: dict[str, Any], files: dict[str, dict[str, FileResult]]) -> str:
     """The summary as markdown: a table per engine, then the tests only torch passes."""
     lines = [
-        f"# torch's FSDP1 tests, {meta['date']}",
+        f"# torch's {meta['suite'].upper()} tests, {meta['date']}",
         "",
         f"torch {meta['torch']} ({meta['torch_git'][:10]}), fullshard {meta['fullshard_commit']}"
         f"{' (dirty)' if meta['fullshard_dirty'] else ''}, world size {meta['world_size']}: "
@@ -433,7 +452,8 @@ def write_summary(out: Path, meta: dict[str, Any], files: dict[str, dict[str, Fi
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--tests-dir", type=Path, required=True, help="torch's test/distributed/fsdp")
+    p.add_argument("--tests-dir", type=Path, required=True, help="torch's tests of --suite")
+    p.add_argument("--suite", choices=sorted(SUITES), default="fsdp1", help="default --files")
     p.add_argument("--engine", choices=[*ENGINES, "both"], default="both")
     p.add_argument("--files", nargs="+", help="file names in --tests-dir (default: the areas)")
     p.add_argument("-k", help="pytest -k expression, applied to every file")
@@ -449,13 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the chosen files under the chosen engines and write the summary."""
     args = _args(argv)
     tests_dir: Path = args.tests_dir.resolve()
-    names = args.files or [n for n in DEFAULT_FILES if (tests_dir / n).exists()]
+    names = args.files or [n for n in SUITES[args.suite] if (tests_dir / n).exists()]
     missing = [n for n in names if not (tests_dir / n).is_file()]
     if not tests_dir.is_dir() or missing or not names:
         what = missing or [str(tests_dir)]
         print(
             f"fsdp1_upstream: no test file {what}: pass --tests-dir holding torch's "
-            "test/distributed/fsdp/*.py (and --files names in it)",
+            f"{SUITE_DIRS[args.suite]}/*.py (and --files names in it)",
             file=sys.stderr,
         )
         return 2

@@ -1,7 +1,8 @@
-"""``scripts/fsdp1_upstream.py`` (torch's FSDP1 tests under torch's FSDP1 or fullshard) on a
-synthetic test file made here, not torch's: its counting (a skip is a skip, never a pass), the
-engine swap in the pytest process and in every rank torch's ``FSDPTest`` spawns, the CPU run
-of a ``skip_if_lt_x_gpu(2)`` test, and the tests that pass under torch but not under fullshard.
+"""``scripts/fsdp1_upstream.py`` (torch's FSDP1 or FSDP2 tests under torch's FSDP or fullshard)
+on synthetic test files made here, not torch's: its counting (a skip is a skip, never a pass),
+the engine swap (``FullyShardedDataParallel`` and ``fully_shard``) in the pytest process and in
+every rank torch's ``FSDPTest`` spawns, the CPU run of a ``skip_if_lt_x_gpu(2)`` test, the
+tests that pass under torch but not under fullshard, and ``--suite fsdp2``'s default files.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import unittest
 
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.common_distributed import skip_if_lt_x_gpu
 from torch.testing._internal.common_fsdp import FSDPTest
 
@@ -56,6 +58,7 @@ class TestRanks(FSDPTest):
     def test_rank_engine(self):
         want = os.environ["FULLSHARD_UPSTREAM_ENGINE"] == "fullshard"
         self.assertEqual(_is_fullshard(), want)
+        self.assertEqual(fully_shard.__module__.startswith("fullshard"), want)
         self.assertEqual(dist.get_world_size(), 2)
 
     def test_rank_skips(self):
@@ -122,14 +125,20 @@ def test_junit_counting_and_a_rank_error_first_line(tmp_path: Path) -> None:
     ET.SubElement(bad, "failure", message="RuntimeError: Process 1 exited").text = rank_error
     err = ET.SubElement(suite, "testcase", classname="m.C", name="test_err")
     ET.SubElement(err, "error", message="ImportError: no module x")
+    thread = ET.SubElement(suite, "testcase", classname="m.C", name="test_thread")
+    thread_error = rank_error.replace(
+        "Process 1 exited with error code 10 and", "Thread 1 exited with"
+    )
+    ET.SubElement(thread, "failure", message="RuntimeError: Thread 1").text = thread_error
     ET.ElementTree(root).write(xml)
     r = mod.parse_junit(xml)
-    assert (r.passed, r.failed, r.errors, r.skipped) == (1, 1, 1, 1)
+    assert (r.passed, r.failed, r.errors, r.skipped) == (1, 2, 1, 1)
     assert r.passed_tests == ["m.C::test_ok"]
     assert r.skipped_tests == ["m.C::test_skip: Need at least 2 CUDA devices"]
     assert [f.first_line for f in r.failures] == [
         "ValueError: the real cause",
         "ImportError: no module x",
+        "ValueError: the real cause",  # a thread rank's (FSDPTestMultiThread)
     ]
 
 
@@ -138,3 +147,36 @@ def test_bad_tests_dir_is_one_clear_line(tmp_path: Path, capsys: object) -> None
     assert mod.main(["--tests-dir", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err  # type: ignore[attr-defined]
     assert "--tests-dir" in err and "test/distributed/fsdp" in err
+
+
+FSDP2_FILE = """
+import os
+import unittest
+
+from torch.distributed.fsdp import fully_shard
+
+
+class TestState(unittest.TestCase):
+    def test_engine(self):
+        want = os.environ["FULLSHARD_UPSTREAM_ENGINE"] == "fullshard"
+        self.assertEqual(fully_shard.__module__.startswith("fullshard"), want)
+"""
+
+
+def test_fsdp2_suite_runs_fsdp2_default_files(tmp_path: Path, capsys: object) -> None:
+    mod = _load()
+    tests_dir = tmp_path / "fsdp2"
+    tests_dir.mkdir()
+    (tests_dir / "test_fully_shard_state.py").write_text(FSDP2_FILE)
+    (tests_dir / "test_wrap.py").write_text(FSDP2_FILE)  # an FSDP1 name: not in the suite
+    out = tmp_path / "out"
+    argv = ["--suite", "fsdp2", "--tests-dir", str(tests_dir), "--out", str(out)]
+    assert mod.main([*argv, "--engine", "fullshard", "--src", str(ROOT / "src")]) == 0
+    data = json.loads((out / "summary.json").read_text())
+    assert list(data["files"]) == ["test_fully_shard_state.py"]
+    assert data["files"]["test_fully_shard_state.py"]["fullshard"]["passed"] == 1
+    assert data["meta"]["suite"] == "fsdp2"
+    assert (out / "summary.md").read_text().startswith("# torch's FSDP2 tests")
+    assert mod.main(["--suite", "fsdp2", "--tests-dir", str(tmp_path / "no"), "--out", str(out)])
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "test/distributed/_composable/fsdp" in err
