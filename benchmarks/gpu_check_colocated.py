@@ -9,8 +9,10 @@ weight it loaded was a view inside its bucket (no copy) on the trainer's device.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import statistics
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -57,12 +59,30 @@ def engine(conn: Connection, spec: dict[str, tuple[tuple[int, ...], torch.dtype]
         conn.recv()  # the trainer has compared: the tensors may go
 
 
-def _engine_process(spec: dict[str, Any]) -> tuple[Any, Connection]:
+@contextlib.contextmanager
+def engine_process(spec: dict[str, Any]) -> Iterator[Connection]:
+    """An :func:`engine` process on a pipe, joined (or killed after 60 s) when the block ends."""
     spawn = mp.get_context("spawn")
     ours, theirs = spawn.Pipe()
     proc = spawn.Process(target=engine, args=(theirs, spec), daemon=True)
     proc.start()
-    return proc, ours
+    try:
+        yield ours
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+
+
+def differ_then_stop(conn: Connection, local: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the weights the engine shares back (through IPC again) that differ from
+    ``local``'s; then the engine is told to stop."""
+    conn.send("share")
+    theirs = conn.recv()
+    differ = [n for n in local if not torch.equal(theirs[n], local[n])]
+    del theirs
+    conn.send("stop")
+    return differ
 
 
 def _colocated(ctx: Ctx, model: Any, conn: Connection) -> tuple[float, list[dict[str, Any]]]:
@@ -85,22 +105,13 @@ def check_colocated(ctx: Ctx) -> list[Row]:
     _step(model, opt, _batch(ctx, 1))
     local = {n: t.clone() for n, t in publish(model, dtype=WIRE)}  # the reference weights
     spec = {n: (tuple(t.shape), t.dtype) for n, t in local.items()}
-    proc, conn = _engine_process(spec)
-    try:
+    with engine_process(spec) as conn:
         into = WeightReceiver({n: torch.empty_like(t) for n, t in local.items()})
         in_process_s = _median_s(
             ctx, lambda: into.load(publish(model, dtype=WIRE)), ctx.args.rl_repeats
         )
         colocated_s, seen = _colocated(ctx, model, conn)
-        conn.send("share")
-        theirs = conn.recv()
-        differ = [n for n in local if not torch.equal(theirs[n], local[n])]
-        del theirs
-        conn.send("stop")
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+        differ = differ_then_stop(conn, local)
     copies = sorted({n for s in seen for n in s["copies"]})
     devices = sorted({d for s in seen for d in s["devices"]})
     nbytes = sum(t.numel() * t.element_size() for t in local.values())

@@ -190,28 +190,19 @@ def test_colocated_buckets_over_cuda_ipc(nccl) -> None:
     device (no tensor in host memory on the trainer's side), every weight the engine loads a
     view inside its bucket, and its weights equal to ``publish()``'s bit for bit."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from gpu_check_colocated import _engine_process
+    from gpu_check_colocated import differ_then_stop, engine_process
 
     from fullshard.rl import publish, publish_colocated
 
     model = shard_net(make_net().cuda())
     _train(model)
     local = {n: t.clone() for n, t in publish(model, dtype=torch.bfloat16)}
-    proc, conn = _engine_process({n: (tuple(t.shape), t.dtype) for n, t in local.items()})
-    try:
+    with engine_process({n: (tuple(t.shape), t.dtype) for n, t in local.items()}) as conn:
         conn.send("sync")
         with _CpuResults() as host:
             report = publish_colocated(model, conn, dtype=torch.bfloat16, bucket_bytes=1 << 8)
         seen = conn.recv()
-        conn.send("share")
-        theirs = conn.recv()  # the engine's weights, shared back through CUDA IPC
-        differ = [n for n in local if not torch.equal(theirs[n], local[n])]
-        del theirs
-        conn.send("stop")
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+        differ = differ_then_stop(conn, local)  # shared back through CUDA IPC
     assert report.path == "colocated" and report.device == "cuda:0", report
     assert report.messages == seen["buckets"] > 1 and host.hits == [], (report, host.hits)
     assert seen["copies"] == [] and seen["devices"] == {"cuda:0"} and differ == [], seen
