@@ -28,7 +28,16 @@ otherwise skip or are never instantiated:
 * DDP, the reference many tests compare against, gets no ``device_ids`` for a CPU module
   (it refuses them there), and torch's FSDP1 (the control), which refuses a CPU module
   without ``device_id`` when no accelerator exists, gets the CPU device where a test passes
-  none (fullshard's wrapper runs on the CPU without one; it is not touched).
+  none (fullshard's wrapper runs on the CPU without one; it is not touched);
+* tests written for CUDA by name run on the CPU, the same way under both engines: ``.cuda()``
+  of a tensor or module is the identity, ``device="cuda"`` / ``torch.device("cuda")`` / a
+  ``device=`` index given to a torch function (``torch.randn``, ``nn.Linear``, ``.to``) means
+  the CPU (a torch function mode held for the process's life), ``torch.cuda.set_device`` does
+  nothing, ``torch.cuda.current_device()`` is 0, ``common_fsdp.CUDAInitMode`` names
+  ``DEVICEInitMode``'s members (``CUDA_BEFORE`` ...), and a CUDA ``device_id`` (an index such
+  as ``self.rank``, ``"cuda"``) given to the class under test, torch's or fullshard's, is
+  ``torch.device("cpu")``. What needs a GPU feature (pinned memory, streams, NCCL) still fails,
+  under both: the control shows it, and it is not counted as passing torch.
 
 The device type and backend are already CPU/gloo there (``common_fsdp`` picks ``cpu``/``gloo``
 without an accelerator, as do the tests' ``device_type = acc.type if acc else "cpu"``). Tests
