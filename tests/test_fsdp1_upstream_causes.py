@@ -10,6 +10,11 @@ on each rank, and the ranks' all-gathers disagreed (gloo aborts).
 
 Frozen and trainable parameters in one policy target (torch's ``test_frozen_params``): FSDP1
 refuses it with ``use_orig_params=False`` and warns with ``True``; fullshard wrapped silently.
+
+``summon_full_params`` between forward and backward (torch's ``test_with_grads_core``): the
+root, left unsharded by forward, came out of the block resharded under fullshard, so its
+modules showed other parameters (the shards, with the last step's gradients) than before the
+block; FSDP1 leaves the root as it found it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp1_cases import CPU, ENGINES
+from fsdp1_cases import CPU, ENGINES, full_grads, max_diff
 from fullshard.testing import run_distributed
 
 
@@ -171,3 +176,41 @@ def test_frozen_and_trainable_params_in_one_unit_match_fsdp1() -> None:
         assert phrase in ours and phrase in ref, (ours, ref)
     for case in ("orig=False/split=True", "orig=True/split=True"):
         assert got[f"{case}/fullshard"] == got[f"{case}/torch"] == "ok", got
+
+
+def _shown(model: nn.Module) -> list[tuple[str, tuple[int, ...], bool]]:
+    """What a user sees of the parameters: name, shape, whether a gradient is there."""
+    return [(n, tuple(p.shape), p.grad is not None) for n, p in model.named_parameters()]
+
+
+def _summon_mid_step(engine: str) -> dict[str, Any]:
+    """Two steps; in the second, ``summon_full_params(with_grads=True)`` between forward and
+    backward; what the modules show just before and just after the block."""
+    fsdp = ENGINES[engine]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[0] = fsdp(model[0], device_id=CPU, use_orig_params=True)
+    root = fsdp(model, device_id=CPU, use_orig_params=True)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    root(x).sum().backward()
+    out = root(x)
+    before = _shown(root)
+    with fsdp.summon_full_params(root, with_grads=True, writeback=False):
+        pass
+    after = _shown(root)
+    out.sum().backward()
+    return {"before": before, "after": after, "grads": full_grads(root, fsdp)}
+
+
+def _summon_mid_step_cases() -> dict[str, Any]:
+    return {engine: _summon_mid_step(engine) for engine in ENGINES}
+
+
+def test_summon_between_forward_and_backward_leaves_root_as_found() -> None:
+    """Between forward and backward the root's modules show the same parameters (and
+    gradients) after a ``summon_full_params`` block as before it, and backward then gives
+    torch's FSDP1 gradients."""
+    for got in run_distributed(_summon_mid_step_cases, 2):
+        for engine in ENGINES:
+            assert got[engine]["after"] == got[engine]["before"], (engine, got[engine])
+        assert max_diff(got["fullshard"]["grads"], got["torch"]["grads"]) < 1e-5
