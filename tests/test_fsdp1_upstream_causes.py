@@ -14,7 +14,8 @@ refuses it with ``use_orig_params=False`` and warns with ``True``; fullshard wra
 ``summon_full_params`` between forward and backward (torch's ``test_with_grads_core``): the
 root, left unsharded by forward, came out of the block resharded under fullshard, so its
 modules showed other parameters (the shards, with the last step's gradients) than before the
-block; FSDP1 leaves the root as it found it.
+block; FSDP1 leaves the root as it found it. And gradients changed inside
+``summon_full_params(with_grads=True)`` were dropped; FSDP1 writes them back with ``writeback``.
 """
 
 from __future__ import annotations
@@ -214,3 +215,46 @@ def test_summon_between_forward_and_backward_leaves_root_as_found() -> None:
         for engine in ENGINES:
             assert got[engine]["after"] == got[engine]["before"], (engine, got[engine])
         assert max_diff(got["fullshard"]["grads"], got["torch"]["grads"]) < 1e-5
+
+
+def _grads_changed_in_block(engine: str, writeback: bool) -> float:
+    """Doubles every full gradient inside ``summon_full_params(with_grads=True)``; the ratio
+    of the gradients after the block to those before (2 if written back, 1 if not)."""
+    fsdp = ENGINES[engine]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[0] = fsdp(model[0], device_id=CPU, use_orig_params=True)
+    root = fsdp(model, device_id=CPU, use_orig_params=True)
+    root(
+        torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ).sum().backward()
+    before = full_grads(root, fsdp)
+    with fsdp.summon_full_params(root, with_grads=True, writeback=writeback):
+        for p in root.parameters():
+            p.grad *= 2
+    after = full_grads(root, fsdp)
+    ratios = {
+        round(float((after[k] * before[k]).sum() / before[k].square().sum()), 4) for k in before
+    }
+    assert len(ratios) == 1, ratios
+    return ratios.pop()
+
+
+def _grads_changed_cases() -> dict[str, float]:
+    return {
+        f"{engine}/writeback={wb}": _grads_changed_in_block(engine, wb)
+        for engine in ENGINES
+        for wb in (False, True)
+    }
+
+
+def test_summon_with_grads_writes_gradients_back_as_fsdp1() -> None:
+    """Gradients changed inside ``summon_full_params(with_grads=True)`` are kept with
+    ``writeback=True`` and dropped with ``False``, as torch's FSDP1."""
+    for got in run_distributed(_grads_changed_cases, 2):
+        assert got == {
+            "torch/writeback=False": 1.0,
+            "torch/writeback=True": 2.0,
+            "fullshard/writeback=False": 1.0,
+            "fullshard/writeback=True": 2.0,
+        }, got

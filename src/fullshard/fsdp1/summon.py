@@ -7,7 +7,7 @@ registered again. With ``writeback`` each rank first copies its rows of the (pos
 modified) full parameters into its shard; a unit of one-rank shard groups (``NO_SHARD``)
 keeps modifications regardless, as FSDP1 notes. ``rank0_only`` gives the full parameters to
 rank 0 only (the others keep their shards); ``offload_to_cpu`` puts them on the CPU;
-``with_grads`` gives them their full gradients (modifications to those are dropped). A unit
+``with_grads`` gives them their full gradients, written back as the parameters are. A unit
 that was unsharded on entry (the root between forward and backward) is unsharded again on exit,
 as FSDP1 leaves it: its modules show the same parameters, and gradients, as before the block.
 
@@ -86,11 +86,20 @@ def summon(
         with torch.no_grad():
             for sp, full in swapped:
                 if writeback or sp.info.shard_size == 1:
-                    box = local_box(sp.sharded_param, sp.fqn)
-                    sp.local.copy_(full.detach()[slices(box)])
+                    _write_back(sp, full)
                 sp.to_sharded()
         for st in unsharded:
             st.group.wait_for_unshard()
+
+
+def _write_back(sp: ShardedParam, full: nn.Parameter) -> None:
+    """Copy this rank's rows of the full parameter, and of its full gradient when it was
+    given one (``with_grads``), into the shards."""
+    box = slices(local_box(sp.sharded_param, sp.fqn))
+    sp.local.copy_(full.detach()[box])
+    grad = sp.sharded_param.grad
+    if full.grad is not None and isinstance(grad, DTensor):
+        grad.to_local().copy_(full.grad[box])
 
 
 def _unshard(
