@@ -258,3 +258,36 @@ def test_summon_with_grads_writes_gradients_back_as_fsdp1() -> None:
             "fullshard/writeback=False": 1.0,
             "fullshard/writeback=True": 2.0,
         }, got
+
+
+def _bn_warning(engine: str) -> list[str]:
+    """The warnings of wrapping a model with a BatchNorm under ``MixedPrecision`` and a policy
+    that wraps nothing: the BatchNorm becomes a unit of its own, in full precision."""
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecision
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    mp = MixedPrecision(param_dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = ENGINES[engine](
+            model, device_id=CPU, mixed_precision=mp, auto_wrap_policy=lambda *a, **k: False
+        )
+    assert isinstance(wrapped.module[1], ENGINES[engine]), engine
+    return [
+        f"{w.category.__name__}: separate"
+        for w in caught
+        if "These modules will be wrapped as separate FSDP" in str(w.message)
+    ]
+
+
+def _bn_warning_cases() -> dict[str, list[str]]:
+    return {engine: _bn_warning(engine) for engine in ENGINES}
+
+
+def test_mixed_precision_batchnorm_unit_warns_as_fsdp1() -> None:
+    """Under ``MixedPrecision`` with an ``auto_wrap_policy``, BatchNorm modules become their own
+    full-precision units with FSDP1's ``UserWarning`` saying so (torch's ``test_mp_batchnorm``)."""
+    got = run_distributed(_bn_warning_cases, 2)[0]
+    assert got["fullshard"] == got["torch"] == ["UserWarning: separate"], got
