@@ -34,7 +34,16 @@ otherwise skip or are never instantiated:
 * DDP, the reference many tests compare against, gets no ``device_ids`` for a CPU module
   (it refuses them there), and torch's FSDP1 (the control), which refuses a CPU module
   without ``device_id`` when no accelerator exists, gets the CPU device where a test passes
-  none (fullshard's wrapper runs on the CPU without one; it is not touched).
+  none (fullshard's wrapper runs on the CPU without one; it is not touched);
+* tests written for CUDA by name run on the CPU, the same way under both engines: ``.cuda()``
+  of a tensor or module is the identity, ``device="cuda"`` / ``torch.device("cuda")`` / a
+  ``device=`` index given to a torch function (``torch.randn``, ``nn.Linear``, ``.to``) means
+  the CPU (a torch function mode held for the process's life), ``torch.cuda.set_device`` does
+  nothing, ``torch.cuda.current_device()`` is 0, ``common_fsdp.CUDAInitMode`` names
+  ``DEVICEInitMode``'s members (``CUDA_BEFORE`` ...), and a CUDA ``device_id`` (an index such
+  as ``self.rank``, ``"cuda"``) given to the class under test, torch's or fullshard's, is
+  ``torch.device("cpu")``. What needs a GPU feature (pinned memory, streams, NCCL) still fails,
+  under both: the control shows it, and it is not counted as passing torch.
 
 The device type and backend are already CPU/gloo there (``common_fsdp`` picks ``cpu``/``gloo``
 without an accelerator, as do the tests' ``device_type = acc.type if acc else "cpu"``). Tests
@@ -136,6 +145,9 @@ def boot() -> None:
         import fullshard
 
         fullshard.patch_torch_fsdp()
+    if common_fsdp.DEVICE_TYPE == "cpu":
+        _cuda_as_cpu()
+        _device_id_as_cpu()
 
 
 def _instantiate_on_cpu(world: int) -> None:
@@ -196,6 +208,73 @@ def _torch_fsdp1_on_cpu() -> None:
         return original(state, module, ignored, device_id)
 
     torch_fsdp1._init_device_handle = _init_device_handle
+
+
+def _cuda_as_cpu() -> None:
+    """Older tests build on CUDA by name: ``.cuda()`` of a tensor or module, ``device="cuda"``
+    or ``torch.device("cuda")`` given to a torch function (``torch.randn``, ``nn.Linear``,
+    ``.to``), ``torch.cuda.set_device`` / ``current_device``, ``CUDAInitMode``. Without an
+    accelerator these mean the CPU, in every process and the same under both engines (a torch
+    function mode rewrites the device); what else needs CUDA (streams, pinned memory, NCCL)
+    still fails, under both."""
+    import torch
+    from torch.testing._internal import common_fsdp
+
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.current_device = lambda: 0
+    modes = common_fsdp.DEVICEInitMode
+    cuda_modes = {f"CUDA_{m.name[len('DEVICE_') :]}": m for m in modes}
+    common_fsdp.CUDAInitMode = type("CUDAInitMode", (), cuda_modes)  # type: ignore[attr-defined]
+    _cuda_as_cpu_mode().__enter__()  # for the process's life
+
+
+def _is_cuda(value: Any) -> bool:
+    import torch
+
+    if isinstance(value, str):
+        return value.split(":")[0] == "cuda"
+    return isinstance(value, torch.device) and value.type == "cuda"
+
+
+def _cuda_as_cpu_mode() -> Any:
+    """A torch function mode mapping CUDA to the CPU (see :func:`_cuda_as_cpu`)."""
+    from torch.overrides import TorchFunctionMode
+
+    class CudaAsCpu(TorchFunctionMode):
+        """``Tensor.cuda`` is the identity; a CUDA device (or a ``device=`` index) is the CPU."""
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            import torch
+
+            kwargs = dict(kwargs or {})
+            if func is torch.Tensor.cuda:
+                return args[0]
+            device = kwargs.get("device")  # an index is an accelerator's
+            if _is_cuda(device) or (isinstance(device, int) and not isinstance(device, bool)):
+                kwargs["device"] = "cpu"
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+            return func(*args, **kwargs)
+
+    return CudaAsCpu()
+
+
+def _device_id_as_cpu() -> None:
+    """A CUDA ``device_id`` (an index such as ``self.rank``, ``"cuda"``, a CUDA device) given
+    to the FSDP1 class under test, torch's or fullshard's, means the CPU: the same patch of
+    ``__init__`` on whichever class ``torch.distributed.fsdp.FullyShardedDataParallel`` is."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+
+    cls = fsdp.FullyShardedDataParallel
+    original = cls.__init__
+
+    def __init__(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        dev = kwargs.get("device_id")
+        if dev is not None and (isinstance(dev, int) or torch.device(dev).type == "cuda"):
+            kwargs["device_id"] = torch.device("cpu")
+        original(self, module, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _run_rank_on_cpu(

@@ -10,6 +10,12 @@ on each rank, and the ranks' all-gathers disagreed (gloo aborts).
 
 Frozen and trainable parameters in one policy target (torch's ``test_frozen_params``): FSDP1
 refuses it with ``use_orig_params=False`` and warns with ``True``; fullshard wrapped silently.
+
+``summon_full_params`` between forward and backward (torch's ``test_with_grads_core``): the
+root, left unsharded by forward, came out of the block resharded under fullshard, so its
+modules showed other parameters (the shards, with the last step's gradients) than before the
+block; FSDP1 leaves the root as it found it. And gradients changed inside
+``summon_full_params(with_grads=True)`` were dropped; FSDP1 writes them back with ``writeback``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp1_cases import CPU, ENGINES
+from fsdp1_cases import CPU, ENGINES, full_grads, max_diff
 from fullshard.testing import run_distributed
 
 
@@ -171,3 +177,117 @@ def test_frozen_and_trainable_params_in_one_unit_match_fsdp1() -> None:
         assert phrase in ours and phrase in ref, (ours, ref)
     for case in ("orig=False/split=True", "orig=True/split=True"):
         assert got[f"{case}/fullshard"] == got[f"{case}/torch"] == "ok", got
+
+
+def _shown(model: nn.Module) -> list[tuple[str, tuple[int, ...], bool]]:
+    """What a user sees of the parameters: name, shape, whether a gradient is there."""
+    return [(n, tuple(p.shape), p.grad is not None) for n, p in model.named_parameters()]
+
+
+def _summon_mid_step(engine: str) -> dict[str, Any]:
+    """Two steps; in the second, ``summon_full_params(with_grads=True)`` between forward and
+    backward; what the modules show just before and just after the block."""
+    fsdp = ENGINES[engine]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[0] = fsdp(model[0], device_id=CPU, use_orig_params=True)
+    root = fsdp(model, device_id=CPU, use_orig_params=True)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    root(x).sum().backward()
+    out = root(x)
+    before = _shown(root)
+    with fsdp.summon_full_params(root, with_grads=True, writeback=False):
+        pass
+    after = _shown(root)
+    out.sum().backward()
+    return {"before": before, "after": after, "grads": full_grads(root, fsdp)}
+
+
+def _summon_mid_step_cases() -> dict[str, Any]:
+    return {engine: _summon_mid_step(engine) for engine in ENGINES}
+
+
+def test_summon_between_forward_and_backward_leaves_root_as_found() -> None:
+    """Between forward and backward the root's modules show the same parameters (and
+    gradients) after a ``summon_full_params`` block as before it, and backward then gives
+    torch's FSDP1 gradients."""
+    for got in run_distributed(_summon_mid_step_cases, 2):
+        for engine in ENGINES:
+            assert got[engine]["after"] == got[engine]["before"], (engine, got[engine])
+        assert max_diff(got["fullshard"]["grads"], got["torch"]["grads"]) < 1e-5
+
+
+def _grads_changed_in_block(engine: str, writeback: bool) -> float:
+    """Doubles every full gradient inside ``summon_full_params(with_grads=True)``; the ratio
+    of the gradients after the block to those before (2 if written back, 1 if not)."""
+    fsdp = ENGINES[engine]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[0] = fsdp(model[0], device_id=CPU, use_orig_params=True)
+    root = fsdp(model, device_id=CPU, use_orig_params=True)
+    root(
+        torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ).sum().backward()
+    before = full_grads(root, fsdp)
+    with fsdp.summon_full_params(root, with_grads=True, writeback=writeback):
+        for p in root.parameters():
+            p.grad *= 2
+    after = full_grads(root, fsdp)
+    ratios = {
+        round(float((after[k] * before[k]).sum() / before[k].square().sum()), 4) for k in before
+    }
+    assert len(ratios) == 1, ratios
+    return ratios.pop()
+
+
+def _grads_changed_cases() -> dict[str, float]:
+    return {
+        f"{engine}/writeback={wb}": _grads_changed_in_block(engine, wb)
+        for engine in ENGINES
+        for wb in (False, True)
+    }
+
+
+def test_summon_with_grads_writes_gradients_back_as_fsdp1() -> None:
+    """Gradients changed inside ``summon_full_params(with_grads=True)`` are kept with
+    ``writeback=True`` and dropped with ``False``, as torch's FSDP1."""
+    for got in run_distributed(_grads_changed_cases, 2):
+        assert got == {
+            "torch/writeback=False": 1.0,
+            "torch/writeback=True": 2.0,
+            "fullshard/writeback=False": 1.0,
+            "fullshard/writeback=True": 2.0,
+        }, got
+
+
+def _bn_warning(engine: str) -> list[str]:
+    """The warnings of wrapping a model with a BatchNorm under ``MixedPrecision`` and a policy
+    that wraps nothing: the BatchNorm becomes a unit of its own, in full precision."""
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecision
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    mp = MixedPrecision(param_dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = ENGINES[engine](
+            model, device_id=CPU, mixed_precision=mp, auto_wrap_policy=lambda *a, **k: False
+        )
+    assert isinstance(wrapped.module[1], ENGINES[engine]), engine
+    return [
+        f"{w.category.__name__}: separate"
+        for w in caught
+        if "These modules will be wrapped as separate FSDP" in str(w.message)
+    ]
+
+
+def _bn_warning_cases() -> dict[str, list[str]]:
+    return {engine: _bn_warning(engine) for engine in ENGINES}
+
+
+def test_mixed_precision_batchnorm_unit_warns_as_fsdp1() -> None:
+    """Under ``MixedPrecision`` with an ``auto_wrap_policy``, BatchNorm modules become their own
+    full-precision units with FSDP1's ``UserWarning`` saying so (torch's ``test_mp_batchnorm``)."""
+    got = run_distributed(_bn_warning_cases, 2)[0]
+    assert got["fullshard"] == got["torch"] == ["UserWarning: separate"], got

@@ -1,8 +1,9 @@
 """``scripts/fsdp1_upstream.py`` (torch's FSDP1 or FSDP2 tests under torch's FSDP or fullshard)
 on synthetic test files made here, not torch's: its counting (a skip is a skip, never a pass),
 the engine swap (``FullyShardedDataParallel`` and ``fully_shard``) in the pytest process and in
-every rank torch's ``FSDPTest`` spawns, the CPU run of a ``skip_if_lt_x_gpu(2)`` test, the
-tests that pass under torch but not under fullshard, and ``--suite fsdp2``'s default files.
+every rank torch's ``FSDPTest`` spawns, the CPU run of a ``skip_if_lt_x_gpu(2)`` test and of one
+written for CUDA by name, the tests that pass under torch but not under fullshard, and
+``--suite fsdp2``'s default files.
 """
 
 from __future__ import annotations
@@ -63,6 +64,23 @@ class TestRanks(FSDPTest):
 
     def test_rank_skips(self):
         raise unittest.SkipTest("skipped in a rank")
+
+    @skip_if_lt_x_gpu(2)
+    def test_cuda_named(self):
+        # written for CUDA by name: runs on the CPU under both engines
+        import torch
+        from torch import nn
+        from torch.testing._internal.common_fsdp import CUDAInitMode, DEVICEInitMode
+
+        torch.cuda.set_device(self.rank)
+        self.assertIs(CUDAInitMode.CUDA_BEFORE, DEVICEInitMode.DEVICE_BEFORE)
+        fsdp = FSDP(nn.Linear(4, 4).cuda(), device_id=self.rank)
+        x = torch.randn(2, 4, device="cuda").cuda()
+        y = torch.ones(2, 4, device=torch.cuda.current_device()).to(torch.device("cuda", 0))
+        fsdp(x + y).sum().backward()
+        self.assertEqual({x.device.type, y.device.type}, {"cpu"})
+        with self.assertRaises(RuntimeError):  # a GPU feature still fails
+            torch.ones(1).pin_memory()
 """
 
 
@@ -90,21 +108,22 @@ def test_both_engines_counted_on_a_synthetic_file(tmp_path: Path) -> None:
     counts = {
         e: (r["passed"], r["failed"], r["errors"], r["skipped"]) for e, r in by_engine.items()
     }
-    # torch: passes, torch_only, rank_engine | fails | - | skipped, rank_skips
-    assert counts == {"torch": (3, 1, 0, 2), "fullshard": (2, 2, 0, 2)}, counts
+    # torch: passes, torch_only, rank_engine, cuda_named | fails | - | skipped, rank_skips
+    assert counts == {"torch": (4, 1, 0, 2), "fullshard": (3, 2, 0, 2)}, counts
     for r in by_engine.values():
         passed = {t.split("::")[-1] for t in r["passed_tests"]}
         skipped = {t.split("::")[-1].split(":")[0] for t in r["skipped_tests"]}
         assert skipped == {"test_skipped", "test_rank_skips"}
         assert not passed & skipped  # a skip is never a pass
         assert "test_rank_engine" in passed  # ran on the CPU, in both ranks, under its engine
+        assert "test_cuda_named" in passed  # CUDA by name means the CPU, under both engines
     fails = {f["test"].split("::")[-1]: f["first_line"] for f in by_engine["fullshard"]["failures"]}
     assert "synthetic failure" in fails["test_fails"]
     assert "fullshard's class" in fails["test_torch_only"]
     assert [r["test"].split("::")[-1] for r in data["regressions"]] == ["test_torch_only"]
     md = (out / "summary.md").read_text()
-    assert "| test_synthetic.py | torch | 3 | 1 | 0 | 2 |" in md
-    assert "| test_synthetic.py | fullshard | 2 | 2 | 0 | 2 |" in md
+    assert "| test_synthetic.py | torch | 4 | 1 | 0 | 2 |" in md
+    assert "| test_synthetic.py | fullshard | 3 | 2 | 0 | 2 |" in md
 
 
 def test_junit_counting_and_a_rank_error_first_line(tmp_path: Path) -> None:

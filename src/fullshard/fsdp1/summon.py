@@ -7,7 +7,9 @@ registered again. With ``writeback`` each rank first copies its rows of the (pos
 modified) full parameters into its shard; a unit of one-rank shard groups (``NO_SHARD``)
 keeps modifications regardless, as FSDP1 notes. ``rank0_only`` gives the full parameters to
 rank 0 only (the others keep their shards); ``offload_to_cpu`` puts them on the CPU;
-``with_grads`` gives them their full gradients (modifications to those are dropped).
+``with_grads`` gives them their full gradients, written back as the parameters are. A unit
+that was unsharded on entry (the root between forward and backward) is unsharded again on exit,
+as FSDP1 leaves it: its modules show the same parameters, and gradients, as before the block.
 
 FSDP1's refusals are kept (``writeback`` with ``rank0_only``, ``offload_to_cpu`` under
 ``NO_SHARD``, ``with_grads`` with ``offload_to_cpu``); ``with_grads`` works whatever
@@ -27,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.shards import local_box, slices
-from ..engine import FSDPState, ShardedParam, TrainingState
+from ..engine import FSDPState, ShardedParam, ShardedState, TrainingState
 
 __all__ = ["check_summon_args", "summon"]
 
@@ -70,6 +72,9 @@ def summon(
                 f"{st.training_state} (unit {st.name!r}): summon_full_params cannot run "
                 f"inside a forward or backward"
             )
+    # units left unsharded (a root between forward and backward) are unsharded again on exit
+    unsharded = [st for st in states if st.group.state is not ShardedState.SHARDED]
+    for st in states:
         st.reshard_if_idle()
     options = _Options(writeback, rank0_only, offload_to_cpu, with_grads)
     swapped: list[tuple[ShardedParam, nn.Parameter]] = []
@@ -81,9 +86,20 @@ def summon(
         with torch.no_grad():
             for sp, full in swapped:
                 if writeback or sp.info.shard_size == 1:
-                    box = local_box(sp.sharded_param, sp.fqn)
-                    sp.local.copy_(full.detach()[slices(box)])
+                    _write_back(sp, full)
                 sp.to_sharded()
+        for st in unsharded:
+            st.group.wait_for_unshard()
+
+
+def _write_back(sp: ShardedParam, full: nn.Parameter) -> None:
+    """Copy this rank's rows of the full parameter, and of its full gradient when it was
+    given one (``with_grads``), into the shards."""
+    box = slices(local_box(sp.sharded_param, sp.fqn))
+    sp.local.copy_(full.detach()[box])
+    grad = sp.sharded_param.grad
+    if full.grad is not None and isinstance(grad, DTensor):
+        grad.to_local().copy_(full.grad[box])
 
 
 def _unshard(

@@ -66,8 +66,17 @@ def auto_wrap(
             f"auto_wrap_policy must be a torch.distributed.fsdp.wrap policy or a callable, got "
             f"{type(policy).__name__}"
         )
-    for m in root.modules():
-        if classes and isinstance(m, classes) and m not in ignored_modules:
+    mixed = [m for m in root.modules() if classes and isinstance(m, classes)]
+    overridden = {type(m) for m in mixed if m not in ignored_modules}
+    if overridden:
+        warnings.warn(  # FSDP1's warning (its "These modules will be wrapped..." sentence)
+            f"mixed_precision with an auto_wrap_policy: the module has submodules of type "
+            f"{sorted(c.__name__ for c in overridden)}. These modules will be wrapped as "
+            f"separate FSDP units with mixed precision disabled.",
+            stacklevel=3,
+        )
+    for m in mixed:
+        if m not in ignored_modules:
             targets.setdefault(m, dict(root_kwargs))["mixed_precision"] = None
             _cast_in_full_precision(m)
     _apply_bottom_up(root, targets, wrapper_cls)
