@@ -19,19 +19,21 @@ FSDP1's refusals are kept (``writeback`` with ``rank0_only``, ``offload_to_cpu``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.shards import local_box, slices
-from ..engine import FSDPState, ShardedParam, ShardedState, TrainingState
+from ..engine import FSDPState, ParamGroup, ShardedParam, ShardedState, TrainingState
+from .writeback import write_back
 
-__all__ = ["check_summon_args", "summon"]
+__all__ = ["check_summon_args", "summon", "summon_wrappers"]
 
 
 @dataclass(frozen=True)
@@ -57,14 +59,54 @@ def check_summon_args(
 
 
 @contextlib.contextmanager
+def summon_wrappers(
+    wrappers: Sequence[Any],
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    """``FullyShardedDataParallel.summon_full_params`` over ``wrappers``: FSDP1's checks and
+    messages, what was changed by hand written back first (``fullshard.fsdp1.writeback``),
+    then :func:`summon` of their units, each wrapper in ``SUMMON_FULL_PARAMS`` meanwhile."""
+    no_shard = any(
+        w.sharding_strategy is ShardingStrategy.NO_SHARD and w._has_params for w in wrappers
+    )
+    check_summon_args(writeback, rank0_only, offload_to_cpu, with_grads, no_shard)
+    for w in wrappers:
+        if w.training_state.name == "FORWARD_BACKWARD":
+            raise AssertionError("Cannot manually unshard parameters during forward/backward")
+        if w.training_state.name == "SUMMON_FULL_PARAMS":
+            raise AssertionError(
+                "Cannot manually unshard parameters when already unsharding parameters"
+            )
+    strategies = {id(w._unit.group): w._strategy for w in wrappers}
+
+    def changed_by_hand(group: ParamGroup) -> None:
+        write_back(group, strategies[id(group)])
+
+    units = [w._unit for w in wrappers]
+    with summon(units, writeback, rank0_only, offload_to_cpu, with_grads, before=changed_by_hand):
+        for w in wrappers:
+            w._summoning = True
+        try:
+            yield
+        finally:
+            for w in wrappers:
+                w._summoning = False
+
+
+@contextlib.contextmanager
 def summon(
     states: Sequence[FSDPState],
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
+    before: Callable[[ParamGroup], None] | None = None,
 ) -> Iterator[None]:
-    """Full parameters of every unit in ``states`` inside the block (see the docstring)."""
+    """Full parameters of every unit in ``states`` inside the block (see the docstring);
+    ``before`` runs on each unit's group once it shows its sharded parameters, first."""
     for st in states:
         if st.training_state is not TrainingState.IDLE:
             raise ValueError(
@@ -76,6 +118,8 @@ def summon(
     unsharded = [st for st in states if st.group.state is not ShardedState.SHARDED]
     for st in states:
         st.reshard_if_idle()
+        if before is not None:
+            before(st.group)
     options = _Options(writeback, rank0_only, offload_to_cpu, with_grads)
     swapped: list[tuple[ShardedParam, nn.Parameter]] = []
     try:

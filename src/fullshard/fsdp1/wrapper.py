@@ -58,10 +58,9 @@ from .materialize import local_modules, materialize, move_to_device
 from .materialize import sync_module_states as sync_states
 from .optim_api import OptimStateDictMethods
 from .orig_params import named_originals, record_replaced, refuse_in_backward_optimizers
-from .summon import check_summon_args, summon
+from .summon import summon_wrappers
 from .wrap import auto_wrap
 from .writeback import install as install_writeback
-from .writeback import write_back
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "TrainingState"]
 
@@ -551,28 +550,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             wrappers = FullyShardedDataParallel.fsdp_modules(module)
         else:
             wrappers = [module] if isinstance(module, FullyShardedDataParallel) else []
-        no_shard = any(
-            w.sharding_strategy is ShardingStrategy.NO_SHARD and w._has_params for w in wrappers
-        )
-        check_summon_args(writeback, rank0_only, offload_to_cpu, with_grads, no_shard)
-        for w in wrappers:  # FSDP1's checks and messages
-            if w.training_state is TrainingState.FORWARD_BACKWARD:
-                raise AssertionError("Cannot manually unshard parameters during forward/backward")
-            if w.training_state is TrainingState.SUMMON_FULL_PARAMS:
-                raise AssertionError(
-                    "Cannot manually unshard parameters when already unsharding parameters"
-                )
-        for w in wrappers:  # FSDP1 writes back what was changed by hand before it unshards
-            w._unit.reshard_if_idle()
-            write_back(w._unit.group, w._strategy)
-        with summon([w._unit for w in wrappers], writeback, rank0_only, offload_to_cpu, with_grads):
-            for w in wrappers:
-                w._summoning = True
-            try:
-                yield
-            finally:
-                for w in wrappers:
-                    w._summoning = False
+        with summon_wrappers(wrappers, writeback, rank0_only, offload_to_cpu, with_grads):
+            yield
 
     # ------------------------------------------------------------------- state dicts
     @staticmethod
