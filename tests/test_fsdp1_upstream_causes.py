@@ -16,10 +16,17 @@ root, left unsharded by forward, came out of the block resharded under fullshard
 modules showed other parameters (the shards, with the last step's gradients) than before the
 block; FSDP1 leaves the root as it found it. And gradients changed inside
 ``summon_full_params(with_grads=True)`` were dropped; FSDP1 writes them back with ``writeback``.
+
+Optimizer state (torch's ``test_fsdp_optim_state.py``): optimizers listing the parameters in
+another order on each rank made the full export's gathers disagree (gloo reset); a rank whose
+optimizer lacks a parameter rank 0's has got no error (FSDP1: ``RuntimeError``); the deprecated
+``optim_input`` gave no ``FutureWarning``; a state dict without ``param_groups`` raised
+``KeyError`` (FSDP1 exports it without them).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -291,3 +298,104 @@ def test_mixed_precision_batchnorm_unit_warns_as_fsdp1() -> None:
     full-precision units with FSDP1's ``UserWarning`` saying so (torch's ``test_mp_batchnorm``)."""
     got = run_distributed(_bn_warning_cases, 2)[0]
     assert got["fullshard"] == got["torch"] == ["UserWarning: separate"], got
+
+
+def _layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def _nested(engine: str) -> nn.Module:
+    fsdp = ENGINES[engine]
+    model = _layers()
+    model[2] = fsdp(model[2], device_id=CPU, use_orig_params=True)
+    return fsdp(model, device_id=CPU, use_orig_params=True)
+
+
+def _stepped(model: nn.Module, params: list[Any]) -> torch.optim.Optimizer:
+    optim = torch.optim.Adam(params, lr=1e-2)
+    torch.manual_seed(1)  # the same batches on every rank: the average is one process's step
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return optim
+
+
+def _plain(osd: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Copies (torch's FSDP1 on the CPU hands back one reused buffer for several states)."""
+    return {
+        n: {k: torch.as_tensor(v).clone() for k, v in e.items()} for n, e in osd["state"].items()
+    }
+
+
+def _one_process_state() -> dict[str, dict[str, torch.Tensor]]:
+    """The oracle: the same layers, groups and batches in one process."""
+    model = _layers()
+    params = list(model.parameters())
+    optim = _stepped(model, [{"params": params[:2]}, {"params": params[2:], "lr": 5e-3}])
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: dict(optim.state[p]) for p in params if p in optim.state}
+
+
+def _optim_state_causes(engine: str) -> dict[str, Any]:
+    fsdp, rank, out = ENGINES[engine], dist.get_rank(), {}
+    # two groups, listed in another order on rank 1
+    model = _nested(engine)
+    params = list(model.parameters())
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 5e-3}]
+    if rank == 1:
+        groups = [
+            {"params": g["params"][::-1], **{k: v for k, v in g.items() if k != "params"}}
+            for g in groups[::-1]
+        ]
+    full = fsdp.full_optim_state_dict(model, _stepped(model, groups), rank0_only=False)
+    out["diff_order"] = _plain(full)
+    # rank 1's optimizer lacks the last parameter
+    model = _nested(engine)
+    params = list(model.parameters())
+    optim = _stepped(model, params if rank == 0 else params[:-1])
+    try:
+        fsdp.full_optim_state_dict(model, optim)
+        out["missing"] = "no error"
+    except RuntimeError as e:
+        out["missing"] = str(e)
+    # optim_input: FSDP1's FutureWarning
+    model = _nested(engine)
+    optim = _stepped(model, list(model.parameters()))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fsdp.full_optim_state_dict(model, optim, optim_input=list(model.parameters()))
+    out["warned"] = [w.category.__name__ for w in seen if "optim_input" in str(w.message)]
+    # no param_groups: exported without them, loaded back with them added
+    osd = optim.state_dict()
+    groups_before = osd.pop("param_groups")
+    exported = fsdp.optim_state_dict(model, optim, optim_state_dict=osd)
+    out["exported_groups"] = exported.get("param_groups")
+    to_load = fsdp.optim_state_dict_to_load(model, optim, exported)
+    to_load["param_groups"] = groups_before
+    optim.load_state_dict(to_load)
+    out["reloaded"] = _plain(fsdp.optim_state_dict(model, optim))
+    return out
+
+
+def _optim_state_cases() -> dict[str, Any]:
+    return {"one": _one_process_state(), **{e: _optim_state_causes(e) for e in ENGINES}}
+
+
+def test_optimizer_state_edge_cases_match_fsdp1() -> None:
+    """A different parameter order on each rank: the full state is one process's (and
+    reloads); a rank missing state: FSDP1's ``RuntimeError``; ``optim_input``: FSDP1's
+    ``FutureWarning``; a state dict without ``param_groups``: exported without them, as FSDP1."""
+    for got in run_distributed(_optim_state_cases, 2):
+        mine, theirs, one = got["fullshard"], got["torch"], got["one"]
+        assert mine["diff_order"].keys() == one.keys()
+        for name, entries in one.items():
+            for key, value in entries.items():
+                torch.testing.assert_close(mine["diff_order"][name][key], value, msg=name + key)
+        assert mine["reloaded"].keys() == theirs["reloaded"].keys()
+        # a RuntimeError on every rank naming the parameter (FSDP1's wording varies)
+        assert "4.bias" in theirs["missing"] and "4.bias" in mine["missing"], mine["missing"]
+        assert "at least the optimizer states needed by rank 0" in mine["missing"]
+        assert theirs["warned"] and mine["warned"] == ["FutureWarning"] * len(mine["warned"])
+        assert theirs["exported_groups"] is None and mine["exported_groups"] is None

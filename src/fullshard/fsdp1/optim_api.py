@@ -44,6 +44,7 @@ def _order(
 ) -> list[nn.Parameter]:
     if optim_input is None:
         return O.param_order(model, optim)
+    OptimStateDictMethods._warn_optim_input(optim_input, stacklevel=3)  # FSDP1's warning
     items: list[Any] = list(optim_input)
     if items and isinstance(items[0], dict):
         return [p for group in items for p in group["params"]]

@@ -88,13 +88,19 @@ def export_optim_state(
                 f"the model; pass the model whose parameters it optimizes"
             )
         name_of.append(fqns[id(p)])
-    state: dict[str, Any] = {}
-    for index, entries in sorted(osd["state"].items()):  # the same order on every rank
-        state[name_of[index]] = {k: _export(v, form, offload_to_cpu) for k, v in entries.items()}
-    if sort:  # FSDP1's order: by name with use_orig_params=True, by parameter otherwise
-        state = {name: state[name] for name in sorted(state)}
+    by_name = {name_of[index]: entries for index, entries in sorted(osd["state"].items())}
+    if form == "full":
+        _check_same_states(sorted(by_name))
+    exported = {  # by name: the same order on every rank, whatever each optimizer's order
+        name: {k: _export(v, form, offload_to_cpu) for k, v in by_name[name].items()}
+        for name in sorted(by_name)
+    }
+    # FSDP1's order: by name with use_orig_params=True, by parameter otherwise
+    state = exported if sort else {name: exported[name] for name in by_name}
     if form == "full" and rank0_only and dist.get_rank() != 0:
         return {}
+    if "param_groups" not in osd:  # FSDP1 leaves them out too
+        return {"state": state}
     groups = [
         {
             **{k: v for k, v in g.items() if k != "params"},
@@ -103,6 +109,26 @@ def export_optim_state(
         for g in osd["param_groups"]
     ]
     return {"state": state, "param_groups": groups}
+
+
+def _check_same_states(names: list[str]) -> None:
+    """FSDP1's check before a full export, whose gathers every rank must run alike: each rank
+    holds optimizer state for the parameters rank 0's optimizer does (and no others)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names)
+    missing = {r: sorted(set(everyone[0]) - set(n)) for r, n in enumerate(everyone)}
+    extra = {r: sorted(set(n) - set(everyone[0])) for r, n in enumerate(everyone)}
+    bad = {r: (m, extra[r]) for r, m in missing.items() if m or extra[r]}
+    if bad:
+        r, (m, e) = next(iter(bad.items()))
+        raise RuntimeError(
+            "FSDP currently requires each rank to have at least the optimizer states needed "
+            f"by rank 0's optimizer but some ranks are missing some of those states: rank {r} "
+            f"lacks {m[:4]} and has {e[:4]} beyond rank 0's; give every rank's optimizer the "
+            "same parameters"
+        )
 
 
 def _export(value: Any, form: Form, offload_to_cpu: bool) -> Any:
@@ -129,7 +155,7 @@ def import_optim_state(
             **{k: v for k, v in g.items() if k != "params"},
             "params": sorted(_index(index_of, n) for n in g["params"]),
         }
-        for g in osd["param_groups"]
+        for g in osd.get("param_groups", [])
     ]
     return {"state": state, "param_groups": groups}
 
