@@ -4,9 +4,9 @@
     python benchmarks/collectives.py --nproc 4 --sizes 1 12.6 50
 
 For each size S (MiB, fp32, the full buffer), the median wall time over ``--iters`` of:
-gloo's all-gather, all-gather as a p2p exchange (fullshard's ``algorithm="p2p"``), gloo's
+gloo's all-gather, all-gather as a p2p exchange (fullshard's ``P2PAllGather(algorithm="p2p")``), gloo's
 reduce-scatter, the reduce-scatter as an in-place all-reduce, and as a p2p exchange with the
-local sum. The numbers behind [Note: p2p on gloo] in ``src/fullshard/collectives.py``.
+local sum. The numbers behind [Note: p2p on gloo] in ``src/fullshard/engine/p2p.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.engine import collectives as C
+from fullshard.engine import p2p
 from fullshard.testing import run_distributed
 
 VARIANTS = (
@@ -50,9 +51,10 @@ def _time(fn: Callable[[], object], iters: int) -> float:
 
 def _one(kind: str, algo: str, full: torch.Tensor, part: torch.Tensor, group: Any) -> None:
     if kind == "all_gather":
-        C.all_gather(full, part, group, async_op=False, algorithm=algo)
+        C.all_gather(full, part, group, async_op=False, comm=p2p.P2PAllGather(algorithm=algo))
     else:
-        C.reduce_scatter(part, full, group, async_op=False, algorithm=algo)
+        comm = p2p.P2PReduceScatter(algorithm=algo)
+        C.reduce_scatter(part, full, group, async_op=False, comm=comm)
 
 
 def rank_main(sizes: list[float], iters: int) -> dict[str, list[float]]:

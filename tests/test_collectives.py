@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 
 from fullshard.engine import collectives as C
+from fullshard.engine import p2p
 from fullshard.engine.backend import P2P_MIN_BYTES, P2P_SMALL_BYTES
 from fullshard.testing import run_distributed
 
 N = 1000  # elements per rank's chunk
+_P2P_AG, _P2P_RS = p2p.P2PAllGather(algorithm="p2p"), p2p.P2PReduceScatter(algorithm="p2p")
 
 
 def _chunk(global_rank: int, tag: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -39,13 +41,13 @@ def _check_group(group: dist.ProcessGroup, members: list[int], tag: int) -> list
             out = torch.full((size * N,), -1.0)
             inp = out.view(size, N)[gr] if in_place else torch.empty(N)
             inp.copy_(_chunk(me, tag))
-            C.all_gather(out, inp, group, algorithm=algo).wait()
+            C.all_gather(out, inp, group, comm=p2p.P2PAllGather(algorithm=algo)).wait()
             want = torch.cat([_chunk(g, tag) for g in members])
             assert torch.equal(out, want), (algo, in_place, members)
             done.append(f"ag:{algo}:{size}")
     for algo in ("reduce_scatter", "all_reduce", "p2p", "auto"):
         inp, out = _full(me, size, tag), torch.full((N,), -1.0)
-        C.reduce_scatter(out, inp, group, algorithm=algo).wait()
+        C.reduce_scatter(out, inp, group, comm=p2p.P2PReduceScatter(algorithm=algo)).wait()
         want = sum(_chunk(g, tag) for g in members) * (gr + 1)
         assert torch.equal(out, want), (algo, members)
         done.append(f"rs:{algo}:{size}")
@@ -60,10 +62,10 @@ def _concurrent(group: dist.ProcessGroup, members: list[int]) -> None:
         out = torch.empty(size * N)
         inp = out.view(size, N)[gr]
         inp.copy_(_chunk(me, tag))
-        gathers.append((C.all_gather(out, inp, group, algorithm="p2p"), out, tag))
+        gathers.append((C.all_gather(out, inp, group, comm=_P2P_AG), out, tag))
         if tag < 2:
             rs_out = torch.empty(N)
-            h = C.reduce_scatter(rs_out, _full(me, size, tag), group, algorithm="p2p")
+            h = C.reduce_scatter(rs_out, _full(me, size, tag), group, comm=_P2P_RS)
             reduces.append((h, rs_out, tag))
     for h, _, _ in reversed(gathers + reduces):
         h.wait()
@@ -90,15 +92,15 @@ def _pieces(group: dist.ProcessGroup, members: list[int], tag: int) -> None:
         bufs = [[torch.full((n,), -1.0) for n in SIZES] for _ in range(size)]
         for k in range(len(SIZES)):
             bufs[gr][k].copy_(piece(me, k, t))
-        handles.append(C.all_gather_pieces(bufs, group, nbytes=nbytes))
+        handles.append(p2p.all_gather_pieces(bufs, group, nbytes=nbytes))
         gathered.append((bufs, t))
         contrib = [[piece(me, k, t) * (r + 1) for k in range(len(SIZES))] for r in range(size)]
         outs = [torch.full((n,), -1.0) for n in SIZES]
-        handles.append(C.reduce_scatter_pieces(contrib, outs, group, nbytes=nbytes))
+        handles.append(p2p.reduce_scatter_pieces(contrib, outs, group, nbytes=nbytes))
         reduced.append((outs, t))
     packed = torch.empty(size * N)
     packed.view(size, N)[gr].copy_(_chunk(me, tag))
-    handles.append(C.all_gather(packed, packed.view(size, N)[gr], group, algorithm="p2p"))
+    handles.append(C.all_gather(packed, packed.view(size, N)[gr], group, comm=_P2P_AG))
     for h in reversed(handles):
         h.wait()
     assert torch.equal(packed, torch.cat([_chunk(g, tag) for g in members]))
@@ -123,7 +125,7 @@ def _stress(group: dist.ProcessGroup, members: list[int]) -> None:
         bufs = [[torch.empty(n) for n in sizes] for _ in range(size)]
         for k in range(len(sizes)):
             bufs[gr][k].fill_(1000 * it + 10 * me + k)
-        inflight.append((C.all_gather_pieces(bufs, group, nbytes=0), bufs, it))
+        inflight.append((p2p.all_gather_pieces(bufs, group, nbytes=0), bufs, it))
         if len(inflight) == 3:
             h, bufs, i = inflight.pop(0)
             h.wait()
@@ -141,7 +143,7 @@ def _grouped(group: dist.ProcessGroup, members: list[int]) -> None:
     me, gr, size = dist.get_rank(), dist.get_rank(group), len(members)
     sends = [[_chunk(me, 7 + r), torch.empty(0)] for r in range(size)]
     recvs = [[torch.full((N,), -1.0), torch.empty(0)] for _ in range(size)]
-    for work in C._exchange_grouped(sends, recvs, group, base=0):
+    for work in p2p._exchange_grouped(sends, recvs, group, base=0):
         work.wait()
     for r, got in enumerate(recvs):
         if r != gr:
@@ -167,7 +169,7 @@ def _rank_main() -> dict[str, object]:
     done.append("grouped")
     # bf16 through the exchange (values stay exact in bf16)
     out = torch.empty(4 * N, dtype=torch.bfloat16)
-    C.all_gather(out, _chunk(me, 0, torch.bfloat16), world, algorithm="p2p").wait()
+    C.all_gather(out, _chunk(me, 0, torch.bfloat16), world, comm=_P2P_AG).wait()
     assert torch.equal(out, torch.cat([_chunk(g, 0, torch.bfloat16) for g in range(4)]))
     # what "auto" picks on gloo, as recorded
     big = P2P_MIN_BYTES // 4 // 2  # fp32 elements per rank: a full buffer of >= P2P_MIN_BYTES
@@ -175,12 +177,13 @@ def _rank_main() -> dict[str, object]:
     with C.count_collectives() as stats:
         for group, size in ((world, 4), (pair, 2)):
             for n in (N, mid, big):
-                C.all_gather(torch.empty(size * n), torch.zeros(n), group).wait()
-                C.reduce_scatter(torch.empty(n), torch.zeros(size * n), group).wait()
+                ag, rs = p2p.P2PAllGather(), p2p.P2PReduceScatter()  # the group's plan
+                C.all_gather(torch.empty(size * n), torch.zeros(n), group, comm=ag).wait()
+                C.reduce_scatter(torch.empty(n), torch.zeros(size * n), group, comm=rs).wait()
     picked = [(r.kind, r.group_size, r.algorithm) for r in stats.records]
     bad = "no error"
     try:
-        C.all_gather(torch.empty(4 * N), torch.zeros(N), world, algorithm="ring")
+        p2p.P2PAllGather(algorithm="ring")
     except ValueError as e:
         bad = str(e)
     return {"done": done, "picked": picked, "bad": bad}

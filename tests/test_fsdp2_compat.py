@@ -645,18 +645,18 @@ def _separate_reduce_group() -> dict[str, Any]:
     again = {st.group.overrides.reduce_scatter_group for st in fullshard.api._all_states(model)}
     shard_group = unit_state(model).group.info.shard_group
     seen: list[tuple[str, Any]] = []
-    start = C._start
+    start = C.issue
 
     def spy(kind: str, *args: Any, **kwargs: Any) -> Any:
         seen.append((kind, kwargs.get("group")))
         return start(kind, *args, **kwargs)
 
-    C._start = spy
+    C.issue = spy
     try:
         with fullshard.count_collectives() as stats:
             out["separate"] = _train(model)
     finally:
-        C._start = start
+        C.issue = start
     (rs_group,) = groups
     assert again == groups and rs_group is not shard_group and rs_group is not None
     assert dist.get_process_group_ranks(rs_group) == dist.get_process_group_ranks(shard_group)

@@ -60,6 +60,7 @@ from .overrides import (
     ReduceScatterComm,
     separate_reduce_scatter_groups,
 )
+from .p2p import all_gather_comm
 from .param import ShardedParam, dtensor_like
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import ShardedState, TrainingState
@@ -99,6 +100,7 @@ __all__ = [
     "StepContext",
     "TrainingState",
     "all_gather",
+    "all_gather_comm",
     "all_reduce",
     "check_reshard_after_forward",
     "check_supported",

@@ -130,7 +130,11 @@ class ExtensionGather:
                 with g.comm.streams.use("gather"):
                     handles.append(
                         C.all_gather(
-                            out, send.view(-1), group, what=what, comm=comm, plan=g.comm.plan
+                            out,
+                            send.view(-1),
+                            group,
+                            what=what,
+                            comm=comm or g.transport.all_gather,
                         )
                     )
             outputs = [out.view(world, *send.shape) for send, out in zip(sends, kept)]

@@ -1,4 +1,7 @@
-"""The all-gather side of a unit: issue, wait and copy-out, packed or in pieces.
+"""The all-gather side of a unit: issue, wait and copy-out.
+
+The core gathers packed (below); a transport plug-in may gather a unit its own way instead
+(``Transport.gather``, chosen once per unit: [Note: transports] in ``fullshard.engine.transport``).
 
 [Note: packed layouts]
 All-gather input: this rank's shards back to back, each padded to ``shard_numel`` elements
@@ -8,14 +11,6 @@ occupies ``world * shard_numel_i`` contiguous elements — a padded ``[world, sh
 region holding the parameter (see ``ShardedParam.unsharded_view``). The reduce-scatter input
 is the same ``[world, total]`` layout built from the unsharded gradients (zero padding), so
 each rank's output row is exactly its padded gradient shards.
-
-[Note: gathering in pieces]
-With the ``p2p`` transport a unit skips the packed buffer altogether: it allocates the
-unsharded buffer when the gather is issued, copies its own shards into their rows, and
-receives every peer's shard of every parameter straight into that parameter's row — one
-message per parameter and peer. No ``[world, total]`` buffer is allocated and nothing is copied
-out, which saves a unit-sized buffer and a unit-sized copy per gather. A low-precision wire
-dtype and int ``k`` resharding still gather packed.
 
 [Note: why storage is resized, not freed]
 Autograd saves views of the unsharded parameters for backward. Freeing the unsharded buffer by
@@ -41,7 +36,7 @@ from .param import ShardedParam
 from .quant import dequantize_int8, quantize_int8
 from .unit import CommUnit
 
-__all__ = ["GatherUnit", "PendingGather", "finish_gather", "start_gather"]
+__all__ = ["GatherUnit", "PendingGather", "allocate_unsharded", "finish_gather", "start_gather"]
 
 
 class GatherUnit(CommUnit, Protocol):
@@ -91,11 +86,11 @@ class PendingGather:
     """An all-gather in flight and the buffers it uses until it is waited on."""
 
     handle: C.Handle
-    packed: torch.Tensor | None  # the gathered [world * total] buffer to copy out; None: pieces
+    packed: torch.Tensor | None  # the gathered [world * total] buffer to copy out; None: in place
     send: torch.Tensor | None  # what the collective reads (kept alive until waited on)
 
 
-def _allocate(g: GatherUnit, buf: torch.Tensor) -> None:
+def allocate_unsharded(g: GatherUnit, buf: torch.Tensor) -> None:
     """Give the (resized-to-0) unsharded buffer its storage back: fresh memory, or the
     host strategy's pooled memory ([Note: the host strategy] in ``fullshard.engine.host``)."""
     storage, nbytes, host = buf.untyped_storage(), buf.numel() * buf.element_size(), g.comm.host
@@ -133,12 +128,15 @@ def start_gather(g: GatherUnit) -> PendingGather:
         emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
         return PendingGather(C.Handle(None, g.device), None, None)
     _offload_event(g)
-    # the unit's transport, decided once (ParamGroup._choose_transport); the kept copy of an
-    # int reshard_after_forward is regathered packed within its subgroup
-    in_pieces = g.transport.gathers_in_pieces and g.post_forward_chunk is None
-    emit("gather_issue", g.name, "pieces" if in_pieces else "packed")
+    # the unit's transport, decided once (ParamGroup._choose_transport): a plug-in's own way
+    # of gathering, else packed; the kept copy of an int reshard_after_forward is regathered
+    # packed within its subgroup
+    gather = g.transport.gather if g.post_forward_chunk is None else None
     with torch.no_grad():
-        return _gather_in_pieces(g) if in_pieces else _gather_packed(g)
+        if gather is not None:
+            return gather(g)
+        emit("gather_issue", g.name, "packed")
+        return _gather_packed(g)
 
 
 def _pack_shards(g: GatherUnit, inp: torch.Tensor) -> torch.Tensor:
@@ -170,28 +168,8 @@ def _gather_packed(g: GatherUnit) -> PendingGather:
         with g.comm.streams.use("gather"):  # offload: the H2D copy-in runs on the side stream
             inp = _pack_shards(g, out.view(g.world, g.total)[g.info.shard_rank])
     with g.comm.streams.use("gather"):
-        handle = C.all_gather(out, inp, group, what=what, comm=comm, plan=g.comm.plan)
+        handle = C.all_gather(out, inp, group, what=what, comm=comm or g.transport.all_gather)
     return PendingGather(handle, out, inp)
-
-
-def _gather_in_pieces(g: GatherUnit) -> PendingGather:
-    """All-gather straight into the unsharded buffer (see [Note: gathering in pieces])."""
-    buf = g.unsharded_buf
-    assert buf is not None
-    me = g.info.shard_rank
-    _allocate(g, buf)  # on the compute stream (see [Note: streams and buffer lifetimes])
-    regions = g.regions()
-    with g.comm.streams.use("gather"):
-        for sp, region in zip(g.layout, regions):
-            sp.copy_local_into(region[me])
-        pieces = [
-            [sp.rank_piece(region[r], r) for sp, region in zip(g.layout, regions)]
-            for r in range(g.world)
-        ]
-        nbytes = buf.numel() * buf.element_size()
-        what = f"unit {g.name!r}"
-        handle = C.all_gather_pieces(pieces, g.info.shard_group, nbytes=nbytes, what=what)
-    return PendingGather(handle, None, None)
 
 
 def _decode(g: GatherUnit, out: torch.Tensor) -> torch.Tensor:
@@ -212,14 +190,14 @@ def finish_gather(g: GatherUnit, pending: PendingGather) -> None:
     emit("gather_wait", g.name)
     buf = g.unsharded_buf
     assert buf is not None
-    if pending.packed is None:  # gathered in pieces: already in place
+    if pending.packed is None:  # gathered in place (a plug-in's gather, or taken back)
         _copy_out(g)
         return
     # Refilling the buffer bumps no parameter's version counter (each has its own: [Note: one
     # version counter per unsharded parameter] in fullshard.engine.group), as the saved views hold
     # the values they had when saved ([Note: why storage is resized, not freed]).
     with torch.no_grad():
-        _allocate(g, buf)
+        allocate_unsharded(g, buf)
         sizes = [sp.shard_numel for sp in g.layout]
         torch.split_with_sizes_copy(_decode(g, pending.packed), sizes, dim=1, out=g.regions())
     g.kept.give_back(pending.packed)  # copy-out queued: the next gather's writes wait for it

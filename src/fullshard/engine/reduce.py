@@ -1,13 +1,5 @@
 """The gradient side of a unit: collect unsharded gradients, reduce-scatter, hand out shards.
 
-[Note: reducing in pieces]
-With the ``p2p`` transport each parameter's gradient rows are sent to their owner straight
-from the unsharded gradient, and the peers' rows for this rank land in the output shard (on
-more than 2 ranks, all but one peer's in a scratch buffer), where this rank's own rows are
-added on wait: no packed ``[world, total]`` buffer, no packing copy. The gradients stay alive
-until then (as the packed buffer would). fp16's pre-division and a reduce dtype other than the
-gradients' still pack (see [Note: packed layouts] in ``fullshard.engine.gather``).
-
 [Note: HSDP]
 On a 2-D (replicate, shard) mesh the reduce-scatter over the shard group is followed by an
 all-reduce of the output over the replicate group. ``set_requires_all_reduce(False)`` keeps
@@ -74,6 +66,7 @@ __all__ = [
     "grad_division",
     "hand_out_local",
     "lendable_output_nbytes",
+    "reduce_output",
     "start_reduce",
 ]
 
@@ -366,24 +359,19 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         off += sp.shard_numel
     division = grad_division(g, dtype)
     hsdp = g.info.replicate_size > 1
-    # the unit's transport, decided once (ParamGroup._choose_transport); gradients that
-    # cannot be sent as they are (another dtype: accumulated without sync in the reduce
-    # dtype; not contiguous) are packed
-    in_pieces = g.transport.reduces_in_pieces and all(
-        grad.dtype == dtype and grad.is_contiguous() for _, grad in ready
-    )
-    emit("reduce_issue", g.name, "pieces" if in_pieces else "packed")
     params = [sp for sp, _ in ready]
     grads: list[torch.Tensor | None] = [grad for _, grad in ready]
     ready.clear()
     what = f"gradients of unit {g.name!r}"
+    # the unit's transport, decided once (ParamGroup._choose_transport): a plug-in's own way
+    # of reducing (None where it cannot send these gradients as they are), else packed
+    reduce = g.transport.reduce
     with torch.no_grad():
-        if in_pieces:
-            handle, out, send = _reduce_in_pieces(g, params, grads, offsets, off, dtype, what)
-        else:
-            handle, out, send = _reduce_packed(
-                g, params, grads, offsets, off, dtype, division.pre, what
-            )
+        sent = reduce(g, params, grads, offsets, off, dtype, what) if reduce else None
+        if sent is None:
+            emit("reduce_issue", g.name, "packed")
+            sent = _reduce_packed(g, params, grads, offsets, off, dtype, division.pre, what)
+    handle, out, send = sent
     return PendingReduce(
         g.name,
         handle,
@@ -448,37 +436,15 @@ def _reduce_packed(
         out = send.view(-1)
     else:
         out = (
-            allocate(comm, total, dtype, g.device) if comm is not None else _output(g, total, dtype)
+            allocate(comm, total, dtype, g.device)
+            if comm is not None
+            else reduce_output(g, total, dtype)
         )
     with g.comm.streams.use("reduce"):
         handle = C.reduce_scatter(
-            out, send.view(-1), g.reduce_group, what=what, comm=comm, plan=g.comm.plan
+            out, send.view(-1), g.reduce_group, what=what, comm=comm or g.transport.reduce_scatter
         )
     return handle, out, send
-
-
-def _reduce_in_pieces(
-    g: ReduceUnit,
-    params: list[ShardedParam],
-    grads: list[torch.Tensor | None],
-    offsets: list[int],
-    total: int,
-    dtype: torch.dtype,
-    what: str,
-) -> tuple[C.Handle, torch.Tensor, object]:
-    """Reduce-scatter straight from the gradients (see [Note: reducing in pieces])."""
-    out = _output(g, total, dtype)
-    for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
-        if sp.local_numel < sp.shard_numel:
-            out[o + sp.local_numel : o + sp.shard_numel].zero_()
-    flats = [grad.view(-1) for grad in grads if grad is not None]
-    per_param = [sp.grad_pieces(flat) for sp, flat in zip(params, flats)]
-    pieces = [[pp[r] for pp in per_param] for r in range(g.world)]
-    outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
-    nbytes = g.world * total * out.element_size()
-    with g.comm.streams.use("reduce"):
-        handle = C.reduce_scatter_pieces(pieces, outputs, g.reduce_group, nbytes=nbytes, what=what)
-    return handle, out, flats
 
 
 def lendable_output_nbytes(g: ReduceUnit) -> int:
@@ -506,7 +472,7 @@ def lendable_output_nbytes(g: ReduceUnit) -> int:
     return sum(sp.shard_numel for sp in grads) * dtype.itemsize
 
 
-def _output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def reduce_output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter output (it becomes the gradient shards): fresh, or carved from the
     host strategy's open slab ([Note: gradient memory lent for the next forward] in
     ``fullshard.engine.pool``)."""

@@ -52,9 +52,13 @@ unshard. The memory planner models the same choice (``select_transport``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from . import pieces
 from .backend import BackendPlan
+from .p2p import P2PAllGather, P2PReduceScatter, packed_comms
 
 __all__ = ["TRANSPORTS", "Transport", "select_transport"]
 
@@ -63,13 +67,40 @@ TRANSPORTS = ("auto", "packed", "p2p")
 
 @dataclass(frozen=True)
 class Transport:
-    """The chosen way for one unit: per direction, in pieces (p2p) or packed."""
+    """The chosen way for one unit: per direction, in pieces (p2p) or packed; and the comm
+    objects its packed buffers' collectives run through (``None``: the backend's own).
+
+    The core reads only :attr:`gather` / :attr:`reduce` (a plug-in's way of moving the whole
+    unit, else packed) and :attr:`all_gather` / :attr:`reduce_scatter` (a plug-in's comm for
+    the packed buffers, else the backend's collectives): on CUDA all four are ``None``."""
 
     requested: str  # what the CommPolicy asked for: auto | packed | p2p
     gathers_in_pieces: bool
     reduces_in_pieces: bool
     # One rank, nothing to move: the unsharded parameters alias the shards.
     local: bool = False
+    # the plan's comms for packed buffers (fullshard.engine.p2p); None: the backend's
+    comms: tuple[P2PAllGather, P2PReduceScatter] | None = None
+
+    @property
+    def gather(self) -> Callable[[Any], Any] | None:
+        """The unit's own gather (``fullshard.engine.pieces.gather``), or ``None``: packed."""
+        return pieces.gather if self.gathers_in_pieces else None
+
+    @property
+    def reduce(self) -> Callable[..., Any] | None:
+        """The unit's own reduction (``fullshard.engine.pieces.reduce``), or ``None``."""
+        return pieces.reduce if self.reduces_in_pieces else None
+
+    @property
+    def all_gather(self) -> P2PAllGather | None:
+        """The comm a packed all-gather runs through (``None``: the backend's collective)."""
+        return self.comms[0] if self.comms else None
+
+    @property
+    def reduce_scatter(self) -> P2PReduceScatter | None:
+        """The comm a packed reduce-scatter runs through (``None``: the backend's)."""
+        return self.comms[1] if self.comms else None
 
     @property
     def name(self) -> str:
@@ -107,13 +138,15 @@ def select_transport(
         raise ValueError(f"CommPolicy.transport must be one of {TRANSPORTS}, got {requested!r}")
     if shard_size == 1 and aliasable:
         return Transport(requested, False, False, local=True)
-    if requested == "packed" or shard_size == 1:
-        return Transport(requested, False, False)
-    if requested == "p2p":
-        return Transport(requested, True, True)
     plan = plan or BackendPlan.choose(device_type, backend)
+    comms = packed_comms(plan)
+    if requested == "packed" or shard_size == 1:
+        return Transport(requested, False, False, comms=comms)
+    if requested == "p2p":
+        return Transport(requested, True, True, comms=comms)
     return Transport(
         requested,
         gathers_in_pieces=plan.gathers_in_pieces(shard_size, unit_bytes),
         reduces_in_pieces=plan.reduces_in_pieces(shard_size, unit_bytes),
+        comms=comms,
     )

@@ -9,7 +9,8 @@ protocols; they never import the group, so each names exactly what it depends on
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -18,9 +19,33 @@ from .comm import CommContext
 from .mesh import MeshInfo
 from .overrides import CommOverrides
 from .policies import CommPolicy
-from .transport import Transport
 
-__all__ = ["CommUnit"]
+__all__ = ["CommUnit", "UnitTransport"]
+
+
+class UnitTransport(Protocol):
+    """What the core reads of a unit's transport (``fullshard.engine.transport.Transport``,
+    which holds the plug-ins; those import the gather and reduction, hence a protocol)."""
+
+    @property
+    def local(self) -> bool:
+        """One rank, nothing to move ([Note: a shard group of one rank])."""
+
+    @property
+    def gather(self) -> Callable[[Any], Any] | None:
+        """A plug-in's gather of the whole unit (``None``: the core's packed gather)."""
+
+    @property
+    def reduce(self) -> Callable[..., Any] | None:
+        """A plug-in's reduction of the whole unit (``None``: packed)."""
+
+    @property
+    def all_gather(self) -> Any:
+        """The comm packed all-gathers run through (``None``: the backend's collective)."""
+
+    @property
+    def reduce_scatter(self) -> Any:
+        """The comm packed reduce-scatters run through (``None``: the backend's)."""
 
 
 class CommUnit(Protocol):
@@ -57,7 +82,7 @@ class CommUnit(Protocol):
     def comm_policy(self) -> CommPolicy: ...
 
     @property
-    def transport(self) -> Transport:
+    def transport(self) -> UnitTransport:
         """How the unit's bytes move (chosen once at lazy init)."""
 
     @property

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine import Handle, all_gather, label, states_under
+from fullshard.engine import Handle, all_gather, all_gather_comm, label, states_under
 
 from .names import Geometry, geometry, lead_rank, local_tensor, named_weights
 
@@ -172,7 +172,8 @@ def _issue(bucket: _Bucket, index: int) -> _InFlight:
         return _InFlight(bucket, send, None)
     out = torch.empty(bucket.world * bucket.slot_numel, dtype=bucket.dtype, device=send.device)
     with label("rl publish: all-gather", f"bucket {index}"):
-        handle = all_gather(out, send, bucket.group, what=f"rl publish bucket {index}")
+        comm = all_gather_comm(bucket.group, send.device)  # gloo: the engine's p2p plug-in
+        handle = all_gather(out, send, bucket.group, what=f"rl publish bucket {index}", comm=comm)
     return _InFlight(bucket, out, handle)
 
 
