@@ -42,8 +42,9 @@ and top-down on load, as FSDP1's do.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, cast
 
 import torch
@@ -71,6 +72,7 @@ from .local_state import load_flat_param, save_flat_param
 
 __all__ = [
     "FSDP_PREFIX",
+    "StateDictTypeMethods",
     "clean_fqn",
     "full_of_sharded_tensor",
     "get_state_dict_type",
@@ -176,6 +178,55 @@ def get_state_dict_type(wrappers: Sequence[nn.Module]) -> StateDictSettings:
     if settings is None:
         raise ValueError("get_state_dict_type found no FullyShardedDataParallel module")
     return settings
+
+
+class StateDictTypeMethods:
+    """FSDP1's state-dict-type static methods: a base class of ``FullyShardedDataParallel``
+    (``fullshard.fsdp1.wrapper``), acting on every wrapper in ``module`` (itself included)."""
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type and configs of every wrapper in ``module``; returns the
+        previous settings."""
+        return set_state_dict_type(
+            _wrappers(module), state_dict_type, state_dict_config, optim_state_dict_config
+        )
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The settings every wrapper in ``module`` shares."""
+        return get_state_dict_type(_wrappers(module))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Generator:
+        """:meth:`set_state_dict_type` for the length of the block."""
+        previous = set_state_dict_type(
+            _wrappers(module), state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            set_state_dict_type(
+                _wrappers(module),
+                previous.state_dict_type,
+                previous.state_dict_config,
+                previous.optim_state_dict_config,
+            )
+
+
+def _wrappers(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, StateDictTypeMethods)]
 
 
 def _settings(w: nn.Module) -> StateDictSettings:

@@ -39,7 +39,6 @@ from torch.distributed.fsdp import (
     OptimStateDictConfig,
     ShardingStrategy,
     StateDictConfig,
-    StateDictSettings,
     StateDictType,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
@@ -84,7 +83,7 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     )
 
 
-class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
+class FullyShardedDataParallel(OptimStateDictMethods, S.StateDictTypeMethods, _TorchFSDP):
     """FSDP1's ``FullyShardedDataParallel`` (same arguments, torch's types) on fullshard's
     engine; see the module docstring, and the README's FSDP1 section for the differences."""
 
@@ -552,50 +551,6 @@ class FullyShardedDataParallel(OptimStateDictMethods, _TorchFSDP):
             wrappers = [module] if isinstance(module, FullyShardedDataParallel) else []
         with summon_wrappers(wrappers, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
-
-    # ------------------------------------------------------------------- state dicts
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> StateDictSettings:
-        """Set the state-dict type and configs of every wrapper in ``module``; returns the
-        previous settings (``fullshard.fsdp1.state_dict``)."""
-        return S.set_state_dict_type(
-            FullyShardedDataParallel.fsdp_modules(module),
-            state_dict_type,
-            state_dict_config,
-            optim_state_dict_config,
-        )
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The settings every wrapper in ``module`` shares."""
-        return S.get_state_dict_type(FullyShardedDataParallel.fsdp_modules(module))
-
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> Generator:
-        """:meth:`set_state_dict_type` for the length of the block."""
-        previous = FullyShardedDataParallel.set_state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config
-        )
-        try:
-            yield
-        finally:
-            FullyShardedDataParallel.set_state_dict_type(
-                module,
-                previous.state_dict_type,
-                previous.state_dict_config,
-                previous.optim_state_dict_config,
-            )
 
 
 FSDP = FullyShardedDataParallel
