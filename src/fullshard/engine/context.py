@@ -30,10 +30,10 @@ from .backend import BackendPlan
 from .comm import CommContext
 from .events import emit
 from .group import ParamGroup
-from .host import HostStrategy
+from .host import HostStrategy, Release
 from .mesh import MeshInfo, member_group
 from .order import StepOrder
-from .reduce import PendingReduce, lendable_output_nbytes
+from .reduce import PendingReduce, direct_output_nbytes
 from .state import TrainingState
 from .streams import CommStreams
 
@@ -67,10 +67,6 @@ def _gathered_nbytes(unit: StepUnit) -> int:
     return unit.group.unsharded_nbytes()
 
 
-def _lendable_nbytes(unit: StepUnit) -> int:
-    return lendable_output_nbytes(unit.group)
-
-
 class StepContext(Generic[U]):
     """Root-level coordination of one model's units (see the module docstring)."""
 
@@ -87,7 +83,7 @@ class StepContext(Generic[U]):
         # every backend-dependent choice ([Note: the backend plan]), the side streams
         # (``streams``: shared with other roots by share_comm_ctx) and the CPU's special
         # cases ([Note: the host strategy] in fullshard.engine.host; None: the core alone)
-        host = HostStrategy.for_plan(device, plan, root, _lendable_nbytes)
+        host = HostStrategy.for_plan(device, plan, root, direct_output_nbytes)
         self.comm = CommContext(plan, streams or CommStreams(device), host)
         self.order: StepOrder[U] = StepOrder(_gathered_nbytes, host.window_bytes if host else 0)
         self.pending: list[PendingReduce] = []
@@ -126,10 +122,12 @@ class StepContext(Generic[U]):
         if self.host is not None:
             self.host.forward_without_backward()
 
-    def keeps_after_forward(self, unit: U) -> bool:
-        """Whether ``unit``'s post-forward reshard keeps its memory for a later gather (only
-        with a host strategy)."""
-        return self.host is not None and self.host.keeps_after_forward(self.order, unit)
+    def release_after_forward(self, unit: U) -> Release:
+        """How ``unit``'s post-forward reshard releases its memory (the host strategy may
+        hold it for a later gather)."""
+        if self.host is None:
+            return Release.FREE
+        return self.host.after_forward(self.order, unit)
 
     # -------------------------------------------------------------------------- backward
     def ensure_end_of_backward_callback(self) -> None:
@@ -185,15 +183,15 @@ class StepContext(Generic[U]):
     def reduce(self, unit: U, post_backward: bool = False, reshard: bool = True) -> None:
         """Issue ``unit``'s reductions (``ParamGroup.reduce_grads``), first finishing older
         ones until there is room for them (:meth:`make_room`): how every unit reduces, from
-        its post-backward (``post_backward``: the host strategy may keep or lend its memory),
+        its post-backward (``post_backward``: the host strategy may take its memory),
         the end-of-backward callback or ``finalize_backward``. ``reshard=False``: the unit
         stays gathered (the backward still reads it; resharded later)."""
-        keep, slab = False, 0
+        after = None
         if post_backward and self.host is not None:
-            keep, slab = self.host.after_backward(self.order, unit)
+            after = self.host.after_backward(self.order, unit)
         group = unit.group
         self.make_room(group.unsharded_nbytes())
-        self.pending.extend(group.reduce_grads(recycle=keep, slab=slab, reshard=reshard))
+        self.pending.extend(group.reduce_grads(after, reshard=reshard))
 
     def finish_backward(self) -> None:
         """End-of-backward callback: complete every unit, wait for reductions, reset.

@@ -74,7 +74,7 @@ class GatherUnit(CommUnit, Protocol):
 
     def wire_gather_dtype(self) -> torch.dtype: ...
 
-    def reclaim_gathered(self) -> bool:
+    def take_back_gathered(self) -> bool:
         """Take back the unit's own freed memory if it still holds the current gather."""
 
     def check_materialised(self) -> None:
@@ -121,7 +121,7 @@ def _offload_event(g: GatherUnit) -> None:
 def start_gather(g: GatherUnit) -> PendingGather:
     """Issue the all-gather of ``g``'s parameters the way its transport says."""
     g.check_materialised()
-    if g.reclaim_gathered():  # see [Note: taking back a unit's own gathered memory]
+    if g.take_back_gathered():  # see [Note: taking back a unit's own gathered memory]
         buf = g.unsharded_buf
         assert buf is not None
         # nbytes: what the all-gather would have counted (its full output)

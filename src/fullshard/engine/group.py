@@ -12,7 +12,6 @@ on the placement lives in :class:`~fullshard.engine.param.ShardedParam`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from .events import emit
 from .extension import ExtensionGather, has_extension
 from .gather import PendingGather, finish_gather, start_gather
+from .host import AfterBackward, BufferContent, Release
 from .kept import KeptBuffers
 from .labels import labelled
 from .mesh import MeshInfo
@@ -29,7 +29,6 @@ from .overrides import CommOverrides
 from .param import ShardedParam
 from .partition import mesh_name, ranks_of, split_by_dtype, split_by_mesh
 from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
-from .pool import BufferContent
 from .reduce import (
     PartialReduce,
     PendingReduce,
@@ -249,18 +248,14 @@ class ParamGroup:
             aliasable=aliasable,
             plan=self.comm.plan,
         )
-        self.transport = t
-        if t.local or not (t.gathers_in_pieces or t.reduces_in_pieces):
+        if t.local:
+            self.transport = t
             return
-        reduce_dtype = self.wire_reduce_dtype()
-        self.transport = replace(
-            t,
-            gathers_in_pieces=t.gathers_in_pieces
-            and self.overrides.all_gather is None
-            and self.wire_gather_dtype() == self.compute_dtype(),
-            reduces_in_pieces=t.reduces_in_pieces
-            and self.overrides.reduce_scatter is None
-            and grad_division(self, reduce_dtype).pre == 1.0,
+        self.transport = t.packing(
+            gathers=self.overrides.all_gather is not None
+            or self.wire_gather_dtype() != self.compute_dtype(),
+            reductions=self.overrides.reduce_scatter is not None
+            or grad_division(self, self.wire_reduce_dtype()).pre != 1.0,
         )
 
     def settings_changed(self) -> None:
@@ -324,11 +319,10 @@ class ParamGroup:
         buf = self.unsharded_buf
         return 0 if buf is None else buf.numel() * buf.element_size()
 
-    def _release(self, recycle: bool = False, lend: bool = False) -> None:
-        """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes; with
-        ``recycle`` or ``lend`` the root's host strategy keeps its memory for the next gather
-        or lends it as the slab for the next reduce-scatter outputs ([Note: the host
-        strategy] in ``fullshard.engine.host``; asked only where there is one)."""
+    def _release(self, how: Release = Release.FREE) -> None:
+        """Resize the unsharded buffer (and any per-parameter copies) to 0 bytes, or hand its
+        memory to the root's host strategy as ``how`` says ([Note: the host strategy] in
+        ``fullshard.engine.host``; asked only where there is one)."""
         if self.transport.local:  # nothing was allocated ([Note: a shard group of one rank])
             return
         if self.keep_unsharded_storage and self.unsharded_buf is not None:
@@ -339,11 +333,7 @@ class ParamGroup:
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
             host = self.comm.host
-            if host is not None and recycle:
-                host.keep(storage, self._content())
-            elif host is not None and lend and storage.nbytes() == self.unsharded_nbytes():
-                host.open_slab(storage, storage.nbytes())
-            else:
+            if how is Release.FREE or host is None or not host.release(storage, how, self):
                 freed(storage, f"unit {self.name!r}'s unsharded buffer")
                 storage.resize_(0)
         for sp in self.layout:
@@ -351,7 +341,7 @@ class ParamGroup:
         if self.extended is not None:
             self.extended.release()
 
-    def _content(self) -> BufferContent | None:
+    def buffer_content(self) -> BufferContent | None:
         """What the unsharded buffer holds, if a later gather of this unit may take it back
         instead of gathering ([Note: taking back a unit's own gathered memory])."""
         buf = self.unsharded_buf
@@ -383,13 +373,13 @@ class ParamGroup:
             self, self._shard_tensors()
         )
 
-    def reclaim_gathered(self) -> bool:
-        """Take back this unit's own freed memory if it still holds the current gather, in
+    def take_back_gathered(self) -> bool:
+        """Take back this unit's own released memory if it still holds the current gather, in
         place of gathering ([Note: taking back a unit's own gathered memory])."""
         buf, host = self.unsharded_buf, self.comm.host
         if buf is None or host is None:
             return False
-        return host.reclaim(buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current)
+        return host.take_back(buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current)
 
     def check_materialised(self) -> None:
         """Raise FSDP2's error, naming them, if any parameter is still on the meta device."""
@@ -464,12 +454,11 @@ class ParamGroup:
 
     # ---------------------------------------------------------------------------- reshard
     @labelled("reshard")
-    def reshard(self, recycle: bool = False, lend: bool = False) -> None:
+    def reshard(self, how: Release = Release.FREE) -> None:
         """Free the unsharded parameters (and any kept copy); register the sharded ones.
 
-        ``recycle``: the engine's own reshards in forward and backward keep the memory for the
-        next unit's gather ([Note: recycling unsharded buffers] in ``fullshard.engine.pool``);
-        ``lend``: see :meth:`_release`."""
+        ``how``: the engine's own reshards in forward and backward may hand the memory to the
+        root's host strategy (see :meth:`_release`)."""
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             if self._gather is not None:
                 self._gather.handle.wait()  # dropped with the state (below)
@@ -478,18 +467,18 @@ class ParamGroup:
                 self.extended.wait_dropped()
         self.post_forward_chunk = None
         for child in self.subgroups:
-            child.reshard(recycle)
+            child.reshard(how.for_children())
         if self.state is not ShardedState.SHARDED:
-            self._free_unsharded(ShardedState.SHARDED, recycle, lend)
+            self._free_unsharded(ShardedState.SHARDED, how)
         else:
             self._release()
 
-    def _free_unsharded(self, new: ShardedState, recycle: bool = False, lend: bool = False) -> None:
+    def _free_unsharded(self, new: ShardedState, how: Release = Release.FREE) -> None:
         if self.state is ShardedState.UNSHARDED:
             for sp in self.own_params:
                 sp.sync_requires_grad()  # a requires_grad_ on the registered unsharded one
                 sp.to_sharded()
-        self._release(recycle, lend)  # also a gather in pieces never waited on
+        self._release(how)  # also a gather issued in place and never waited on
         self._to(new)
 
     def reshard_partial(self) -> None:
@@ -546,11 +535,11 @@ class ParamGroup:
 
     @labelled("reduce_scatter")
     def reduce_grads(
-        self, recycle: bool = False, slab: int = 0, reshard: bool = True
+        self, after: AfterBackward | None = None, reshard: bool = True
     ) -> list[PendingReduce]:
-        """Post-backward: take the gradients, reshard (unless ``reshard=False``; ``recycle``:
-        see :meth:`reshard`), then reduce-scatter them; ``slab``: first open a slab of that many
-        bytes for their outputs ([Note: gradient memory lent for the next forward]).
+        """Post-backward: take the gradients, reshard (unless ``reshard=False``; ``after``: how
+        the root's host strategy takes the memory, see :meth:`reshard`), then reduce-scatter
+        them.
 
         Returns the reductions in flight, one per group with gradients (this one and any
         child on another mesh); none while gradient sync is off, in which case gradients
@@ -558,16 +547,14 @@ class ParamGroup:
         """
         groups = [self, *self.subgroups]
         ready = [(g, collect_grads(g)) for g in groups]
-        if not ready[0][1]:  # nothing to reduce (gradient sync off, no gradients): no slab
-            slab = 0
-        # the unit's own freed buffer, where it is that size and no gather takes it
-        lend = bool(slab) and slab == self.unsharded_nbytes() and not recycle
         reshard = reshard and self.reshard_after_backward
-        lend = lend and reshard
+        how = Release.FREE
+        if after is not None:
+            how = after.release(bool(ready[0][1]), reshard, self.unsharded_nbytes())
         if reshard:
-            self.reshard(recycle, lend)
-        if slab and not lend and self.comm.host is not None:
-            self.comm.host.open_slab(None, slab)
+            self.reshard(how)
+        if after is not None:
+            after.before_reductions()
         pending = []
         for g, grads in ready:
             if not grads:

@@ -333,7 +333,7 @@ class FSDPState:
             if self.is_root:  # nor a gather soon
                 ctx.forward_without_backward()
         elif self.reshard_policy is True and not local:
-            self.group.reshard(recycle=ctx.keeps_after_forward(self))
+            self.group.reshard(ctx.release_after_forward(self))
         elif self.reshard_policy is not False and not local:
             self.group.reshard_partial()
         self.training_state = TrainingState.IDLE

@@ -17,14 +17,16 @@ point (caller)              what the core does without a strategy     what the s
 (``StepContext``)                                                     gradient slabs for the
                                                                       first gathers
 ``forward_without_backward``  nothing                                 empty the pool
-``keeps_after_forward``     free the unit's buffer                    keep it for the gather
-(post-forward)                                                        two units on / backward
-``after_backward``          free the buffer, fresh gradient outputs   keep it, or lend it (or
-(post-backward)                                                       fresh memory) as a slab
+``after_forward``           free the unit's buffer                    ``Release.HOLD``: keep it
+(post-forward)                                                        for the gather two units
+                                                                      on / backward
+``after_backward``          free the buffer, fresh gradient outputs   an ``AfterBackward``: hold
+(post-backward)                                                       it, or give it (or fresh
+                                                                      memory) to the gradients
 ``backward_ends`` / ``reset``  nothing                                empty the pool, drop slabs
-``keep`` / ``lend``         ``storage.resize_(0)``                    pool / lend the memory
+``release`` (a reshard)     ``storage.resize_(0)``                    pool / lend the memory
 ``refill`` (a gather)       ``storage.resize_(nbytes)``               pooled memory of that size
-``reclaim`` (a gather)      gather                                    take back the unit's own
+``take_back`` (a gather)    gather                                    take back the unit's own
                                                                       gathered memory, no
                                                                       collective
 ``grad_output``             ``torch.empty``                           carve from the open slab
@@ -41,7 +43,9 @@ keeps the core's results bit for bit: the parity matrix runs with and without th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -49,9 +53,47 @@ from .backend import BackendPlan
 from .order import StepOrder
 from .pool import HostBufferPool
 from .state import ShardedState, TrainingState
-from .streamcheck import freed
 
-__all__ = ["HostStrategy", "HostUnit"]
+__all__ = ["AfterBackward", "BufferContent", "HostStrategy", "HostUnit", "Release"]
+
+
+class Release(Enum):
+    """How a unit's unsharded memory is released: what the core does (``FREE``: resize its
+    storage to 0 bytes), or handed to the host strategy for a named use."""
+
+    FREE = auto()
+    HOLD = auto()  # held for a later gather of the same size (or of this unit: taken back)
+    GRADIENTS = auto()  # given to the next reduce-scatter outputs (the next forward's gathers)
+
+    def for_children(self) -> Release:
+        """What a unit's child groups (other meshes / dtypes) do: hold, or free."""
+        return self if self is Release.HOLD else Release.FREE
+
+
+@dataclass(frozen=True, eq=False)
+class BufferContent:
+    """What a freed unsharded buffer holds: ``group``'s gather of these shards (each
+    parameter's DTensor and local tensor) at these version counters ([Note: taking back a
+    unit's own gathered memory] in ``fullshard.engine.pool``)."""
+
+    group: object  # the ParamGroup (fullshard.engine.group imports this module)
+    shards: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, group: object, shards: tuple[torch.Tensor, ...]) -> BufferContent:
+        """``group``'s gather of ``shards`` as they are now."""
+        return cls(group, shards, tuple(t._version for t in shards))
+
+    def is_current(self, group: object, shards: tuple[torch.Tensor, ...]) -> bool:
+        """Still ``group``'s gather of ``shards``: the same tensors, none written since."""
+        return (
+            self.group is group
+            and len(shards) == len(self.shards)
+            and all(
+                a is b and a._version == v for a, b, v in zip(shards, self.shards, self.versions)
+            )
+        )
 
 
 class _Group(Protocol):
@@ -59,6 +101,9 @@ class _Group(Protocol):
     def state(self) -> ShardedState: ...
 
     def unsharded_nbytes(self) -> int: ...
+
+    def buffer_content(self) -> BufferContent | None:
+        """What the unsharded buffer holds, if a later gather may take it back."""
 
 
 class HostUnit(Protocol):
@@ -84,7 +129,7 @@ class HostStrategy(Generic[U]):
         device: torch.device,
         plan: BackendPlan,
         root: U,
-        lendable: Callable[[U], int],
+        lendable: Callable[[Any], int],
     ) -> None:
         self.root = root
         self.window_bytes = plan.window_bytes  # [Note: a window for small units]
@@ -92,12 +137,12 @@ class HostStrategy(Generic[U]):
         self.pool: HostBufferPool | None = HostBufferPool(device) if plan.buffer_pool else None
         # [Note: gradient memory lent for the next forward]
         self.lends = plan.grad_slabs and self.pool is not None
-        self._lendable = lendable  # bytes of a unit's reduce-scatter output a slab may hold
+        self._lendable = lendable  # bytes of a group's reduce-scatter output a slab may hold
         self._slab_plan: dict[U, int] | None = None  # None: not planned this backward yet
 
     @classmethod
     def for_plan(
-        cls, device: torch.device, plan: BackendPlan, root: U, lendable: Callable[[U], int]
+        cls, device: torch.device, plan: BackendPlan, root: U, lendable: Callable[[Any], int]
     ) -> HostStrategy[U] | None:
         """The root's strategy, or ``None`` where the plan has no host special case (CUDA,
         and the CPU with all of them switched off): the core alone."""
@@ -122,26 +167,27 @@ class HostStrategy(Generic[U]):
         if self.pool is not None:
             self.pool.clear()
 
-    def keeps_after_forward(self, order: StepOrder[U], unit: U) -> bool:
-        """Keep ``unit``'s memory after its forward: the unit two on (the next one's
-        prefetch) gathers the same bytes, or backward's first gathers are this unit's own
-        (the root, the last unit and the one before it, the last unit's backward prefetch)."""
+    def after_forward(self, order: StepOrder[U], unit: U) -> Release:
+        """How ``unit``'s post-forward reshard releases its memory: held when the unit two on
+        (the next one's prefetch) gathers the same bytes, or backward's first gathers are this
+        unit's own (the root, the last unit and the one before it, the last unit's backward
+        prefetch); else freed."""
         if self.pool is None:
-            return False
+            return Release.FREE
         after = [a for n in order.next_in_forward(unit) for a in order.next_in_forward(n)]
         if unit is self.root or not after:
-            return True
+            return Release.HOLD
         nbytes = unit.group.unsharded_nbytes()
-        return any(a.group.unsharded_nbytes() == nbytes for a in after)
+        same = any(a.group.unsharded_nbytes() == nbytes for a in after)
+        return Release.HOLD if same else Release.FREE
 
-    def after_backward(self, order: StepOrder[U], unit: U) -> tuple[bool, int]:
-        """How ``unit``'s post-backward frees its memory: ``(keep, slab)``. ``keep``: the
-        unit the next one prefetches has not been gathered for this backward yet, so the
-        buffer waits in the pool for it; ``slab``: bytes of the gradient slab its reduction
-        opens (0: none)."""
+    def after_backward(self, order: StepOrder[U], unit: U) -> AfterBackward | None:
+        """How ``unit``'s post-backward releases its memory (``None``: the core's way). The
+        buffer is held where the unit the next one prefetches has not been gathered for this
+        backward yet; the slab plan may open a gradient slab for its reduction."""
         if self.pool is None:
-            return False, 0
-        keep = any(
+            return None
+        hold = any(
             after.training_state is not TrainingState.POST_BACKWARD
             and after.group.state is ShardedState.SHARDED
             for nxt in order.next_in_backward(unit)
@@ -149,7 +195,7 @@ class HostStrategy(Generic[U]):
         )
         if self._slab_plan is None:
             self._slab_plan = self._plan_slabs(order)
-        return keep, self._slab_plan.get(unit, 0)
+        return AfterBackward(self, hold, self._slab_plan.get(unit, 0))
 
     def backward_ends(self) -> None:
         """A backward ended: the optimizer step runs with no pooled memory; slabs no
@@ -165,23 +211,18 @@ class HostStrategy(Generic[U]):
             self.pool.forget()
 
     # -------------------------------------------------------------------- the buffers
-    def keep(self, storage: torch.UntypedStorage, content: object) -> None:
-        """Free ``storage`` into the pool (``content``: what it holds, for :meth:`reclaim`)."""
+    def release(self, storage: torch.UntypedStorage, how: Release, group: _Group) -> bool:
+        """Take ``group``'s unsharded ``storage`` as ``how`` says: ``True`` when the strategy
+        took it (left at 0 bytes), ``False`` when the core frees it."""
         if self.pool is None:
-            freed(storage, "a unit's unsharded buffer")
-            storage.resize_(0)
-            return
-        self.pool.put(storage, content)
-
-    def open_slab(self, storage: torch.UntypedStorage | None, nbytes: int) -> None:
-        """Open a gradient slab of ``nbytes``: ``storage``'s memory (left at 0 bytes) or, with
-        ``None``, fresh memory."""
-        if self.pool is None or not self.lends:
-            if storage is not None:
-                freed(storage, "a unit's unsharded buffer")
-                storage.resize_(0)
-            return
-        self.pool.start_slab(storage, nbytes)
+            return False
+        if how is Release.HOLD:
+            self.pool.put(storage, group.buffer_content())
+            return True
+        if how is Release.GRADIENTS and self.lends and storage.nbytes() == group.unsharded_nbytes():
+            self.pool.start_slab(storage, storage.nbytes())
+            return True
+        return False
 
     def refill(self, storage: torch.UntypedStorage, nbytes: int) -> str:
         """Give a gather's (0-byte) ``storage`` ``nbytes``: pooled memory if some has that
@@ -193,22 +234,26 @@ class HostStrategy(Generic[U]):
             return "fresh"
         return self.pool.take(storage, nbytes)
 
-    def reclaim(
+    def take_back(
         self, storage: torch.UntypedStorage, nbytes: int, matches: Callable[[object], bool]
     ) -> bool:
-        """Take back pooled memory that still holds the gather (see
-        [Note: taking back a unit's own gathered memory])."""
+        """Give a gather's (0-byte) ``storage`` held memory that still holds the gather
+        (``matches`` its content), in place of gathering (see [Note: taking back a unit's own
+        gathered memory] in ``fullshard.engine.pool``)."""
         return self.pool is not None and self.pool.reclaim(storage, nbytes, matches)
 
-    @property
-    def filling_slab(self) -> bool:
-        """A gradient slab is open for reduce-scatter outputs."""
-        return self.pool is not None and self.pool.filling_slab
+    def grad_output(self, group: object, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A reduce-scatter output of ``group`` carved from the open gradient slab, or
+        ``None`` (none open, an output that does not become the gradients as it is, or not
+        enough room left)."""
+        if self.pool is None or not self.pool.filling_slab or not self._lendable(group):
+            return None
+        return self.pool.grad_output(numel, dtype)
 
-    def grad_output(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A reduce-scatter output carved from the open slab, or ``None`` (none open, or not
-        enough room left in it)."""
-        return None if self.pool is None else self.pool.grad_output(numel, dtype)
+    def _open_slab(self, nbytes: int) -> None:
+        """Open a gradient slab of ``nbytes`` of fresh memory."""
+        if self.pool is not None and self.lends:
+            self.pool.start_slab(None, nbytes)
 
     # -------------------------------------------------------------------- the slab plan
     def _first_gather_sizes(self, order: StepOrder[U]) -> list[int]:
@@ -235,7 +280,7 @@ class HostStrategy(Generic[U]):
         units = [st for st in reversed(order.post_forward) if st is not self.root]
         if order.ran_post_forward(self.root):
             units.append(self.root)
-        sizes = [self._lendable(st) for st in units]
+        sizes = [self._lendable(st.group) for st in units]
         plan: dict[U, int] = {}
         end = len(units)
         while end > 0 and wanted:
@@ -256,3 +301,31 @@ class HostStrategy(Generic[U]):
             wanted.remove(total)
             end = found
         return plan
+
+
+class AfterBackward:
+    """How one unit's post-backward releases its memory (:meth:`HostStrategy.after_backward`):
+    held for the next gather, or given to its reduction's outputs as a gradient slab of
+    ``slab`` bytes (its own buffer where it is that size, else fresh memory)."""
+
+    __slots__ = ("_given", "_host", "hold", "slab")
+
+    def __init__(self, host: HostStrategy[Any], hold: bool, slab: int) -> None:
+        self._host, self.hold, self.slab, self._given = host, hold, slab, False
+
+    def release(self, reduces: bool, resharding: bool, nbytes: int) -> Release:
+        """How the unit's buffer (of ``nbytes``) is released before its reduction
+        (``reduces``: it has gradients to reduce; ``resharding``: it reshards now)."""
+        if not reduces:  # nothing to reduce (gradient sync off, no gradients): no slab
+            self.slab = 0
+        # the unit's own freed buffer, where it is that size and no gather takes it
+        self._given = bool(self.slab) and self.slab == nbytes and not self.hold and resharding
+        if self.hold:
+            return Release.HOLD
+        return Release.GRADIENTS if self._given else Release.FREE
+
+    def before_reductions(self) -> None:
+        """The unit's reductions are next: open the slab in fresh memory if the unit's own
+        buffer did not become it."""
+        if self.slab and not self._given:
+            self._host._open_slab(self.slab)

@@ -16,7 +16,7 @@ left at 0 bytes, exactly as a resize would leave it) into a carrier storage; ``t
 carrier's memory into the storage being gathered. Both swap the storages' data pointers, so
 the views autograd saved of the unsharded parameters follow, as they follow a resize. The pool
 holds at most ``capacity`` (3) buffers, the most recently freed, and only buffers a gather
-will come for (``HostStrategy.keeps_after_forward`` / ``after_backward`` in
+will come for (``HostStrategy.after_forward`` / ``after_backward`` in
 ``fullshard.engine.host``): in forward,
 unit ``i``'s memory is taken by unit ``i + 2``'s prefetch (when that unit gathers the same
 bytes), and the root's and the last two units' survive the loss to be taken by the first
@@ -86,39 +86,12 @@ forward's block gathers recycled), and ~5% off ``comm``'s step (benchmarks/NOTES
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from .streamcheck import freed
 
-__all__ = ["BufferContent", "HostBufferPool"]
-
-
-@dataclass(frozen=True, eq=False)
-class BufferContent:
-    """What a freed unsharded buffer holds: ``group``'s gather of these shards (each
-    parameter's DTensor and local tensor) at these version counters ([Note: taking back a
-    unit's own gathered memory])."""
-
-    group: object  # the ParamGroup (fullshard.engine.group imports this module)
-    shards: tuple[torch.Tensor, ...]
-    versions: tuple[int, ...]
-
-    @classmethod
-    def of(cls, group: object, shards: tuple[torch.Tensor, ...]) -> BufferContent:
-        """``group``'s gather of ``shards`` as they are now."""
-        return cls(group, shards, tuple(t._version for t in shards))
-
-    def is_current(self, group: object, shards: tuple[torch.Tensor, ...]) -> bool:
-        """Still ``group``'s gather of ``shards``: the same tensors, none written since."""
-        return (
-            self.group is group
-            and len(shards) == len(self.shards)
-            and all(
-                a is b and a._version == v for a, b, v in zip(shards, self.shards, self.versions)
-            )
-        )
+__all__ = ["HostBufferPool"]
 
 
 class HostBufferPool:

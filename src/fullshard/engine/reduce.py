@@ -62,10 +62,10 @@ __all__ = [
     "PendingReduce",
     "ReduceUnit",
     "collect_grads",
+    "direct_output_nbytes",
     "fp16_pre_divide",
     "grad_division",
     "hand_out_local",
-    "lendable_output_nbytes",
     "reduce_output",
     "start_reduce",
 ]
@@ -447,10 +447,11 @@ def _reduce_packed(
     return handle, out, send
 
 
-def lendable_output_nbytes(g: ReduceUnit) -> int:
+def direct_output_nbytes(g: ReduceUnit) -> int:
     """Bytes of the reduce-scatter output ``g``'s backward allocates (every parameter with a
-    gradient) when that output becomes the gradient shards as it is, else 0: the memory the
-    pool may lend it ([Note: gradient memory lent for the next forward] in ``fullshard.engine.pool``).
+    gradient) when that output becomes the gradient shards as it is, else 0 (the outputs are
+    temporaries): what the host strategy may carve from memory it holds ([Note: gradient
+    memory lent for the next forward] in ``fullshard.engine.pool``).
     """
     if (
         g.transport.local
@@ -473,14 +474,12 @@ def lendable_output_nbytes(g: ReduceUnit) -> int:
 
 
 def reduce_output(g: ReduceUnit, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The reduce-scatter output (it becomes the gradient shards): fresh, or carved from the
-    host strategy's open slab ([Note: gradient memory lent for the next forward] in
-    ``fullshard.engine.pool``)."""
+    """The reduce-scatter output (it becomes the gradient shards): fresh, or from memory the
+    host strategy holds for it ([Note: the host strategy] in ``fullshard.engine.host``)."""
     host = g.comm.host
-    if host is not None and host.filling_slab and lendable_output_nbytes(g):  # cheap test first
-        out = host.grad_output(numel, dtype)
-        if out is not None:
-            return out
+    out = host.grad_output(g, numel, dtype) if host is not None else None
+    if out is not None:
+        return out
     make = lambda: torch.empty(numel, dtype=dtype, device=g.device)  # noqa: E731
     # not kept under offload: the copy to the host may still read it when the next one starts
     keep = g.keep_unsharded_storage and not g.offloaded

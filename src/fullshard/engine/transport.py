@@ -53,7 +53,7 @@ unshard. The memory planner models the same choice (``select_transport``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import pieces
@@ -81,6 +81,17 @@ class Transport:
     local: bool = False
     # the plan's comms for packed buffers (fullshard.engine.p2p); None: the backend's
     comms: tuple[P2PAllGather, P2PReduceScatter] | None = None
+
+    def packing(self, gathers: bool, reductions: bool) -> Transport:
+        """This transport with the directions a unit's settings need one buffer for (a custom
+        collective, a wire dtype, fp16's split division) kept packed."""
+        if not ((self.gathers_in_pieces and gathers) or (self.reduces_in_pieces and reductions)):
+            return self
+        return replace(
+            self,
+            gathers_in_pieces=self.gathers_in_pieces and not gathers,
+            reduces_in_pieces=self.reduces_in_pieces and not reductions,
+        )
 
     @property
     def gather(self) -> Callable[[Any], Any] | None:
