@@ -94,15 +94,13 @@ def allocate_unsharded(g: GatherUnit, buf: torch.Tensor) -> None:
     """Give the (resized-to-0) unsharded buffer its storage back: fresh memory, or the
     host strategy's pooled memory ([Note: the host strategy] in ``fullshard.engine.host``)."""
     storage, nbytes, host = buf.untyped_storage(), buf.numel() * buf.element_size(), g.comm.host
-    if host is not None:
-        how = host.refill(storage, nbytes)
-    elif storage.nbytes() == nbytes:
-        how = ""
-    else:
-        storage.resize_(nbytes)
-        how = "fresh"
-    if how:
-        emit("unshard_alloc", g.name, how)
+    if storage.nbytes() == nbytes:
+        return
+    if host is not None and host.refill(storage, nbytes):
+        emit("unshard_alloc", g.name, "recycled")
+        return
+    storage.resize_(nbytes)
+    emit("unshard_alloc", g.name, "fresh")
 
 
 def _offload_event(g: GatherUnit) -> None:

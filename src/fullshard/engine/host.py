@@ -224,15 +224,10 @@ class HostStrategy(Generic[U]):
             return True
         return False
 
-    def refill(self, storage: torch.UntypedStorage, nbytes: int) -> str:
-        """Give a gather's (0-byte) ``storage`` ``nbytes``: pooled memory if some has that
-        size; ``"recycled"``, ``"fresh"`` or ``""`` (it had them)."""
-        if self.pool is None:
-            if storage.nbytes() == nbytes:
-                return ""
-            storage.resize_(nbytes)
-            return "fresh"
-        return self.pool.take(storage, nbytes)
+    def refill(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Give a gather's (0-byte) ``storage`` held memory of ``nbytes`` if some has that
+        size; ``False`` when the core allocates it."""
+        return self.pool is not None and self.pool.take(storage, nbytes)
 
     def take_back(
         self, storage: torch.UntypedStorage, nbytes: int, matches: Callable[[object], bool]

@@ -140,18 +140,16 @@ class HostBufferPool:
                 return True
         return False
 
-    def take(self, storage: torch.UntypedStorage, nbytes: int) -> str:
-        """Give the (0-byte) ``storage`` ``nbytes`` of memory: pooled memory of that size if
-        there is some (most recent first), else a fresh allocation. Returns ``"recycled"``,
-        ``"fresh"`` or ``""`` (it already had them)."""
-        if storage.nbytes() == nbytes:
-            return ""
+    def take(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Give the (0-byte) ``storage`` pooled memory of ``nbytes`` if there is some (most
+        recent first); ``False`` (nothing changes) when there is none."""
+        if storage.nbytes() != 0:
+            return False
         for i in range(len(self._free) - 1, -1, -1):
-            if self._free[i][0].nbytes() == nbytes and storage.nbytes() == 0:
+            if self._free[i][0].nbytes() == nbytes:
                 storage._swap_data_ptr_(self._free.pop(i)[0])  # type: ignore[attr-defined]
-                return "recycled"
-        storage.resize_(nbytes)
-        return "fresh"
+                return True
+        return False
 
     @property
     def nbytes(self) -> int:
