@@ -283,8 +283,8 @@ def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
     ctx = model.__dict__[STATE_ATTR].ctx
     ctx.host.lends = lends
     # Lending serves the default one-unit prefetch; these tiny blocks would otherwise all be
-    # gathered ahead at once ([Note: a window for small units] in fullshard.engine.order).
-    ctx.order.window_bytes = ctx.reduce_window_bytes = 0
+    # gathered ahead at once ([Note: a window for small units] in fullshard.engine.window).
+    ctx.host.window = None
     opt.step()
     opt.zero_grad()
     forward_backward(1)  # plans and lends slabs to its last reductions
