@@ -117,7 +117,7 @@ class HostStrategy(Generic[U]):
     def forward_begins(self, order: StepOrder[U]) -> None:
         """The root's forward starts (before ``order`` turns the last forward into the
         plan): memory pooled since a forward without backward goes; lent gradient slabs
-        nothing holds any more become memory for the first gathers."""
+        nothing holds any more become memory for the first gathers; the window starts over."""
         self._slab_plan = None
         if self.window is not None:
             self.window.new_step()
@@ -169,7 +169,7 @@ class HostStrategy(Generic[U]):
             self.pool.release_unused_slabs()
 
     def reset(self) -> None:
-        """``reset_iter_state``: forget everything pooled and lent."""
+        """``reset_iter_state``: forget everything pooled and lent, and what the window issued."""
         self._slab_plan = None
         if self.window is not None:
             self.window.new_step()
