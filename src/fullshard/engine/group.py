@@ -12,11 +12,11 @@ on the placement lives in :class:`~fullshard.engine.param.ShardedParam`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from .choice import aliasable, choose
 from .comm import CommContext
 from .compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from .events import emit
@@ -29,17 +29,18 @@ from .overrides import CommOverrides
 from .param import ShardedParam
 from .partition import mesh_name, ranks_of, split_by_dtype, split_by_mesh
 from .policies import CommPolicy, MixedPrecisionPolicy, own_dtype_policy
-from .recycle import give_to_host, lends_own_buffer, open_fresh_slab, reclaim, unsharded_versions
+from .pool import BufferContent
 from .reduce import (
     PartialReduce,
     PendingReduce,
     collect_grads,
+    grad_division,
     hand_out_local,
     start_reduce,
 )
 from .state import ShardedState, transition
 from .streamcheck import freed
-from .transport import Transport
+from .transport import Transport, select_transport
 
 __all__ = ["ParamGroup"]
 
@@ -97,9 +98,8 @@ class ParamGroup:
         self.post_forward_chunk: torch.Tensor | None = None  # 1D [world/k * total]
         self._gather: PendingGather | None = None  # in flight: UNSHARDING's own (see _to)
         self.unsharded_buf: torch.Tensor | None = None  # 1D, see [Note: packed layouts]
-        # the unsharded parameters' version counters when the gather finished (whether a
-        # pooled buffer still holds that gather: fullshard.engine.recycle)
-        self.gathered_versions: tuple[int, ...] = ()
+        # the unsharded parameters' version counters when the gather finished
+        self._gathered_versions: tuple[int, ...] = ()
         # ids of the parameters whose gradient arrived in this backward, and how many are
         # trainable (set by init_layout): post-backward fires when all of them have
         self._grads_arrived: set[int] = set()
@@ -187,7 +187,7 @@ class ParamGroup:
             off += sp.shard_numel
         self.total = off
         dtype = self.compute_dtype()
-        self._choose_transport(aliasable(self))
+        self._choose_transport(self._aliasable())
         if self.transport.local:  # [Note: a shard group of one rank]
             self.unsharded_buf, self._regions = None, []
             self._aliased = [sp.local for sp in self.layout]
@@ -234,9 +234,34 @@ class ParamGroup:
             child.bind(comm)
 
     def _choose_transport(self, aliasable: bool) -> None:
-        """Decide how each direction moves (:func:`fullshard.engine.choice.choose`): at lazy
-        init and again when a setting it reads changes (:meth:`settings_changed`)."""
-        self.transport = choose(self, aliasable)
+        """The unit's one decision of how each direction moves: ``select_transport``'s choice
+        for its size and backend, kept packed where a unit's settings need one buffer (a
+        custom collective takes packed buffers; a wire dtype other than the compute dtype,
+        or an fp16 division split around the reduction, converts the packed buffer). Made at
+        lazy init and again when such a setting changes (:meth:`settings_changed`); a
+        gather or reduction only reads it ([Note: transports] in fullshard.engine.transport)."""
+        t = select_transport(
+            self.comm_policy.transport,
+            self.comm.plan.backend,
+            self.comm.plan.device_type,
+            self.world,
+            self.world * self.total * self.compute_dtype().itemsize,
+            aliasable=aliasable,
+            plan=self.comm.plan,
+        )
+        self.transport = t
+        if t.local or not (t.gathers_in_pieces or t.reduces_in_pieces):
+            return
+        reduce_dtype = self.wire_reduce_dtype()
+        self.transport = replace(
+            t,
+            gathers_in_pieces=t.gathers_in_pieces
+            and self.overrides.all_gather is None
+            and self.wire_gather_dtype() == self.compute_dtype(),
+            reduces_in_pieces=t.reduces_in_pieces
+            and self.overrides.reduce_scatter is None
+            and grad_division(self, reduce_dtype).pre == 1.0,
+        )
 
     def settings_changed(self) -> None:
         """A knob the transport depends on changed (custom collectives, the gradient divide
@@ -244,6 +269,26 @@ class ParamGroup:
         for g in (self, *self.subgroups):
             if g._layout_key:  # laid out (before that, lazy init decides)
                 g._choose_transport(g.transport.local)
+
+    def _aliasable(self) -> bool:
+        """Whether this unit's unsharded parameters can be its shards themselves ([Note: a
+        shard group of one rank] in ``fullshard.engine.transport``)."""
+        dtype = self.compute_dtype()
+        cp = self.comm_policy
+        return (
+            self.world == 1
+            and self.info.replicate_size == 1
+            and not self.offloaded
+            and self.extended is None
+            and self.overrides.allows_local()
+            and self.accum_dtype() == dtype
+            and cp.all_gather_dtype in (None, dtype)
+            and cp.reduce_dtype in (None, dtype)
+            and all(
+                sp.tp_mesh is None and sp.orig_dtype == dtype and sp.local.device == self.device
+                for sp in self.layout
+            )
+        )
 
     @property
     def own_params(self) -> list[ShardedParam]:
@@ -293,7 +338,12 @@ class ParamGroup:
                 return
         if self.unsharded_buf is not None:
             storage = self.unsharded_buf.untyped_storage()
-            if not (recycle or lend) or not give_to_host(self, storage, recycle, lend):
+            host = self.comm.host
+            if host is not None and recycle:
+                host.keep(storage, self._content())
+            elif host is not None and lend and storage.nbytes() == self.unsharded_nbytes():
+                host.open_slab(storage, storage.nbytes())
+            else:
                 freed(storage, f"unit {self.name!r}'s unsharded buffer")
                 storage.resize_(0)
         for sp in self.layout:
@@ -301,10 +351,45 @@ class ParamGroup:
         if self.extended is not None:
             self.extended.release()
 
+    def _content(self) -> BufferContent | None:
+        """What the unsharded buffer holds, if a later gather of this unit may take it back
+        instead of gathering ([Note: taking back a unit's own gathered memory])."""
+        buf = self.unsharded_buf
+        if (
+            buf is None
+            or self.state is not ShardedState.UNSHARDED  # a gather in flight never finished
+            or self._unsharded_versions() != self._gathered_versions  # a write into them
+            or self.overrides.all_gather is not None  # a custom comm sees every gather
+            or self.extended is not None
+            or self.post_forward_group is not None
+            or self.offloaded
+        ):
+            return None
+        return BufferContent.of(self, self._shard_tensors())
+
+    def _unsharded_versions(self) -> tuple[int, ...]:
+        return tuple(
+            sp.unsharded_param._version for sp in self.layout if sp.unsharded_param is not None
+        )
+
+    def _shard_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Each parameter's DTensor and its local tensor (an in-place update bumps the version
+        counter of only the one it went through; see the Note)."""
+        return tuple(t for sp in self.layout for t in (sp.sharded_param, sp.local))
+
+    def _holds_current(self, content: object) -> bool:
+        """``content`` is this unit's gather of its current shards."""
+        return isinstance(content, BufferContent) and content.is_current(
+            self, self._shard_tensors()
+        )
+
     def reclaim_gathered(self) -> bool:
         """Take back this unit's own freed memory if it still holds the current gather, in
         place of gathering ([Note: taking back a unit's own gathered memory])."""
-        return reclaim(self)
+        buf, host = self.unsharded_buf, self.comm.host
+        if buf is None or host is None:
+            return False
+        return host.reclaim(buf.untyped_storage(), self.unsharded_nbytes(), self._holds_current)
 
     def check_materialised(self) -> None:
         """Raise FSDP2's error, naming them, if any parameter is still on the meta device."""
@@ -372,7 +457,7 @@ class ParamGroup:
             child.wait_for_unshard()
         for sp in self.own_params:
             sp.to_unsharded()
-        self.gathered_versions = unsharded_versions(self)
+        self._gathered_versions = self._unsharded_versions()
         self._to(ShardedState.UNSHARDED)
         if self.post_unshard is not None:
             self.post_unshard(self)
@@ -473,13 +558,16 @@ class ParamGroup:
         """
         groups = [self, *self.subgroups]
         ready = [(g, collect_grads(g)) for g in groups]
-        slab = slab if ready[0][1] else 0  # nothing to reduce (sync off, no gradients): none
+        if not ready[0][1]:  # nothing to reduce (gradient sync off, no gradients): no slab
+            slab = 0
+        # the unit's own freed buffer, where it is that size and no gather takes it
+        lend = bool(slab) and slab == self.unsharded_nbytes() and not recycle
         reshard = reshard and self.reshard_after_backward
-        lend = reshard and lends_own_buffer(self, slab, recycle)
+        lend = lend and reshard
         if reshard:
             self.reshard(recycle, lend)
-        if not lend:
-            open_fresh_slab(self, slab)
+        if slab and not lend and self.comm.host is not None:
+            self.comm.host.open_slab(None, slab)
         pending = []
         for g, grads in ready:
             if not grads:

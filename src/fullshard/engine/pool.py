@@ -47,8 +47,8 @@ all-gathers per step, 0.88x the ZeRO-3 theory's bytes). The version counters are
 DTensor's and its local tensor's: an in-place update through the DTensor bumps only the
 first, the local optimizer step only the second. A unit with a custom all-gather, an all-gather
 extension, an int ``reshard_after_forward`` copy or CPU offload always gathers
-(``fullshard.engine.recycle.content_of``); so does any unit once the pool is emptied (a forward
-begins, a backward ends).
+(``ParamGroup._content``); so does any unit once the pool is emptied (a forward begins, a
+backward ends).
 
 [Note: gradient memory lent for the next forward]
 Two kinds of fresh memory were left each step: every reduce-scatter output (a unit's gradient
