@@ -110,7 +110,7 @@ def _observe(model: nn.Module, step_fn: Any) -> dict[str, Any]:
         "pieces": ("gather_issue", "pieces") in events,
         "recycled": ("unshard_alloc", "recycled") in events or ("gather_issue", "reused") in events,
         "p2p": any(a in ("p2p", "all_reduce") for _, a in algos),
-        "window": ctx.order.window_bytes,
+        "window": ctx.host.window.window_bytes if ctx.host and ctx.host.window else 0,
         "slabs": ctx.host.pool.slabs_started if ctx.host and ctx.host.pool else 0,
         "host": ctx.host is not None,  # [Note: the host strategy]: None is the core alone
     }

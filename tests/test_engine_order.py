@@ -283,8 +283,8 @@ def _lent_memory(transport: str, lends: bool) -> dict[str, object]:
     ctx = model.__dict__[STATE_ATTR].ctx
     ctx.host.lends = lends
     # Lending serves the default one-unit prefetch; these tiny blocks would otherwise all be
-    # gathered ahead at once ([Note: a window for small units] in fullshard.engine.order).
-    ctx.order.window_bytes = ctx.reduce_window_bytes = 0
+    # gathered ahead at once ([Note: a window for small units] in fullshard.engine.window).
+    ctx.host.window = None
     opt.step()
     opt.zero_grad()
     forward_backward(1)  # plans and lends slabs to its last reductions
@@ -423,3 +423,44 @@ def test_gradient_memory_lent_for_the_next_forward(results) -> None:
             assert lent["slabs without sync"] == plain["slabs without sync"] == 0
             for a, b in zip(lent["params"], plain["params"], strict=True):
                 assert torch.equal(a, b), transport
+
+
+def test_small_unit_window_gathers_ahead_each_unit_once() -> None:
+    """[Note: a window for small units], the host strategy's plug-in: a unit's pre-hook
+    gathers the next unit (the core's prefetch, ``StepOrder.next_in_*``) and the small ones
+    after it up to the window, none of them twice in a step; a large unit ends a window; a
+    new step starts issuing again; the reductions beyond the cap may stay while they fit."""
+    from types import SimpleNamespace
+
+    from fullshard.engine.order import StepOrder
+    from fullshard.engine.window import SmallUnitWindow
+
+    sizes = {"a": 10, "b": 10, "c": 10, "d": 10, "big": 100, "e": 10, "f": 10}
+    order: StepOrder[str] = StepOrder()
+    window = SmallUnitWindow(sizes.__getitem__, 25)  # the next unit and two more of 10
+    for unit in sizes:
+        order.record_forward(unit)
+        order.record_post_forward(unit)
+    order.begin_forward()
+    window.new_step()
+    ahead = {unit: window.forward(order, unit) for unit in sizes}
+    assert ahead == {
+        "a": ["b", "c", "d"],
+        "b": ["c"],  # the next unit always; d was issued by a's window
+        "c": ["d"],
+        "d": ["big", "e", "f"],  # big, over the window, as the next unit: e, f beyond it
+        "big": ["e"],
+        "e": ["f"],
+        "f": [],
+    }
+    assert [order.next_in_forward(u) for u in ("a", "d", "f")] == [["b"], ["big"], []]
+    window.new_step()
+    for unit in sizes:
+        order.record_post_forward(unit)
+    back = [window.backward(order, unit) for unit in reversed(sizes)]
+    # f's window ends at big; e's next unit is big, and two small ones beyond it
+    assert back == [["e"], ["big", "d", "c"], ["d", "b"], ["c", "a"], ["b"], ["a"], []]
+    assert window.forward(order, "a") == ["b", "c", "d"]  # issued again in the new step
+    in_flight = [SimpleNamespace(nbytes=10)]
+    assert window.room_for_reduction(in_flight, 15)
+    assert not window.room_for_reduction(in_flight, 16)

@@ -614,7 +614,7 @@ def _max_input_buffers() -> dict[str, Any]:
     """set_reduce_scatter_max_input_buffers: the engine keeps at most that many reductions in
     flight (the root's units share the largest cap), with unchanged gradients. Unset (0
     here), the CPU's window for small units keeps all four tiny units' reductions in flight
-    ([Note: a window for small units] in fullshard.engine.order)."""
+    ([Note: a window for small units] in fullshard.engine.window)."""
     from fullshard.engine.events import record_events
 
     out: dict[str, Any] = {}

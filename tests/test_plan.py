@@ -54,7 +54,7 @@ def test_prediction_within_10_percent_of_measured(
 
 def test_prediction_for_many_small_units() -> None:
     """Twelve blocks of 48 wide: on the CPU the engine gathers and reduces such small units
-    further ahead ([Note: a window for small units] in fullshard.engine.order), ~10% of this
+    further ahead ([Note: a window for small units] in fullshard.engine.window), ~10% of this
     model's peak, which the plan must include (without it: 0.91x the measured peak)."""
     cfg = GPTConfig(
         n_layer=12, d_model=48, n_head=2, seq_len=4, vocab_size=32, tie_embeddings=False

@@ -14,7 +14,7 @@ measured special cases are plan choices, each of which can be switched off on it
   an in-place all-reduce where that measured faster than gloo's own (:meth:`algorithm`;
   [Note: p2p on gloo] in ``fullshard.engine.collectives``);
 - ``small_unit_window``: the implicit prefetch and the reductions in flight run further ahead
-  for small units ([Note: a window for small units] in ``fullshard.engine.order``);
+  for small units ([Note: a window for small units] in ``fullshard.engine.window``);
 - ``buffer_pool``: freed unsharded buffers are recycled for the next gather and a unit may
   take back its own gathered memory ([Note: recycling unsharded buffers] in
   ``fullshard.engine.pool``);
@@ -75,7 +75,7 @@ P2P_MAX_RANKS = 8
 P2P_MIN_BYTES = 512 * 1024
 P2P_SMALL_BYTES = 64 * 1024
 #: Unsharded bytes that may be gathered ahead beyond the next unit, and reduced in flight beyond
-#: ``max_pending`` units, on the CPU ([Note: a window for small units] in fullshard.engine.order).
+#: ``max_pending`` units, on the CPU ([Note: a window for small units] in fullshard.engine.window).
 SMALL_UNIT_WINDOW_BYTES = 256 * 1024
 
 

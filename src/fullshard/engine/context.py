@@ -3,15 +3,15 @@
 Created by lazy init (``FSDPState.lazy_init`` in ``fullshard.engine.hooks``) on the root's
 first forward and shared by every unit below it. It holds:
 
-- ``order``, the step's orders and prefetch windows (:class:`~fullshard.engine.order.StepOrder`);
+- ``order``, the step's orders (:class:`~fullshard.engine.order.StepOrder`), which drive the
+  implicit prefetch (:meth:`StepContext.implicit_forward_prefetch`, ...``_backward_prefetch``);
 - ``comm``, the plan, streams and host strategy (the CPU's special cases, ``None`` on CUDA)
   every group of the root references (:class:`~fullshard.engine.comm.CommContext`);
 - the reductions in flight (at most one by default: a unit finishes the previous unit's
   reduction before issuing its own, so its buffer is freed first; up to the largest
-  ``set_reduce_scatter_max_input_buffers`` of the root's units, oldest finished first; on the
-  CPU widened by [Note: a window for small units] in ``fullshard.engine.order``) and the
-  end-of-backward callback that completes units whose
-  backward never fired (unused parameters, frozen inputs);
+  ``set_reduce_scatter_max_input_buffers`` of the root's units, oldest finished first; without
+  such a cap the host strategy may leave more in flight) and the end-of-backward callback that
+  completes units whose backward never fired (unused parameters, frozen inputs);
 - the ``k``-rank subgroups of int ``reshard_after_forward`` (created once per set of ranks).
 
 The context is generic over its units, and reads of them only what :class:`StepUnit` names
@@ -63,10 +63,6 @@ class StepUnit(Protocol):
 U = TypeVar("U", bound=StepUnit)
 
 
-def _gathered_nbytes(unit: StepUnit) -> int:
-    return unit.group.unsharded_nbytes()
-
-
 class StepContext(Generic[U]):
     """Root-level coordination of one model's units (see the module docstring)."""
 
@@ -85,12 +81,12 @@ class StepContext(Generic[U]):
         # cases ([Note: the host strategy] in fullshard.engine.host; None: the core alone)
         host = HostStrategy.for_plan(device, plan, root, direct_output_nbytes)
         self.comm = CommContext(plan, streams or CommStreams(device), host)
-        self.order: StepOrder[U] = StepOrder(_gathered_nbytes, host.window_bytes if host else 0)
+        self.order: StepOrder[U] = StepOrder()
         self.pending: list[PendingReduce] = []
         # HSDP reductions whose all-reduce across replicas is in flight (see make_room)
         self.replicating: list[PendingReduce] = []
         self.max_pending = 1  # reductions allowed in flight (see update_max_pending)
-        self.reduce_window_bytes = self.order.window_bytes  # [Note: a window for small units]
+        self.cap_set = False  # set_reduce_scatter_max_input_buffers gave max_pending
         self.update_max_pending()
         # The backward (autograd graph task) whose end-of-backward callback is queued; None:
         # none queued since the last one ran.
@@ -121,6 +117,20 @@ class StepContext(Generic[U]):
         """The root's forward ran without gradients: no backward (nor a gather) comes soon."""
         if self.host is not None:
             self.host.forward_without_backward()
+
+    def implicit_forward_prefetch(self, unit: U) -> list[U]:
+        """The units ``unit``'s pre-forward gathers ahead without an explicit list: the next
+        one in the last forward (the host strategy may add more)."""
+        if self.host is not None:
+            return self.host.prefetch_forward(self.order, unit)
+        return self.order.next_in_forward(unit)
+
+    def implicit_backward_prefetch(self, unit: U) -> list[U]:
+        """The units ``unit``'s pre-backward gathers ahead without an explicit list: the one
+        whose backward runs next (the host strategy may add more)."""
+        if self.host is not None:
+            return self.host.prefetch_backward(self.order, unit)
+        return self.order.next_in_backward(unit)
 
     def release_after_forward(self, unit: U) -> Release:
         """How ``unit``'s post-forward reshard releases its memory (the host strategy may
@@ -154,17 +164,15 @@ class StepContext(Generic[U]):
         caps = [st.group.overrides.max_input_buffers for st in self.states]
         explicit = [c for c in caps if c is not None]
         self.max_pending = max(explicit, default=1)
-        # a cap set explicitly is kept exactly ([Note: a window for small units])
-        self.reduce_window_bytes = 0 if explicit else self.order.window_bytes
+        self.cap_set = bool(explicit)  # kept exactly: the host strategy is not asked
 
     def make_room(self, nbytes: int = 0) -> None:
         """Before a unit issues its reduction (of ``nbytes`` of unsharded gradients): finish
-        the oldest ones until fewer than ``max_pending`` are in flight, or on the CPU until
-        those beyond ``max_pending`` fit the window with it ([Note: a window for small
-        units])."""
+        the oldest ones until fewer than ``max_pending`` are in flight. Without a cap set by
+        the user, the host strategy may find room enough for more."""
         while len(self.pending) >= self.max_pending:
-            beyond = self.pending[self.max_pending :]  # and the new one: the extra ones
-            if nbytes + sum(p.nbytes for p in beyond) <= self.reduce_window_bytes:
+            # the ones beyond max_pending (and the new one): the host strategy's to judge
+            if self._host_has_room(nbytes):
                 return
             oldest = self.pending.pop(0)
             # HSDP: the oldest's reduce-scatter is done; its all-reduce across replicas then
@@ -179,6 +187,12 @@ class StepContext(Generic[U]):
                 self.replicating.append(oldest)
             else:
                 oldest.finish()
+
+    def _host_has_room(self, nbytes: int) -> bool:
+        host = self.host
+        if host is None or self.cap_set:
+            return False
+        return host.room_for_reduction(self.pending[self.max_pending :], nbytes)
 
     def reduce(self, unit: U, post_backward: bool = False, reshard: bool = True) -> None:
         """Issue ``unit``'s reductions (``ParamGroup.reduce_grads``), first finishing older

@@ -246,7 +246,7 @@ class FSDPState:
         # the next gather's bytes move while this one's are waited on and computed with.
         self.group.unshard()
         targets = self.forward_prefetch
-        for nxt in ctx.order.forward_window(self) if targets is None else targets:
+        for nxt in ctx.implicit_forward_prefetch(self) if targets is None else targets:
             nxt.group.unshard()
         self.group.wait_for_unshard()
         emit("forward_start", self.name)
@@ -367,7 +367,7 @@ class FSDPState:
         if self.group.unshard_in_backward:
             self.group.unshard()  # issued before the prefetch, waited on after (as forward)
         targets = self.backward_prefetch
-        for prev in ctx.order.backward_window(self) if targets is None else targets:
+        for prev in ctx.implicit_backward_prefetch(self) if targets is None else targets:
             if prev.training_state is not TrainingState.POST_BACKWARD:
                 if prev.group.unshard_in_backward:
                     prev.group.unshard()

@@ -30,19 +30,23 @@ point (caller)              what the core does without a strategy     what the s
                                                                       gathered memory, no
                                                                       collective
 ``grad_output``             ``torch.empty``                           carve from the open slab
-``window_bytes``            0: prefetch the next unit only            small units further ahead
+``prefetch_forward`` /      the next unit (``StepOrder.next_in_*``)   and small units further
+``prefetch_backward``                                                 ahead (the window)
+(pre-forward/-backward)
+``room_for_reduction``      finish the oldest until fewer than        leave small ones in
+(``make_room``)             ``max_pending`` are in flight             flight (the window)
 ==========================  ========================================  ==========================
 
 The pool's mechanics (storages swapped, content tokens, slabs) are
 ``fullshard.engine.pool``'s Notes; the window is [Note: a window for small units] in
-``fullshard.engine.order``. The transports (pieces, p2p collectives) are per-unit choices made
+``fullshard.engine.window``. The transports (pieces, p2p collectives) are per-unit choices made
 once at lazy init ([Note: transports] in ``fullshard.engine.transport``). Every special case
 keeps the core's results bit for bit: the parity matrix runs with and without the strategy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Generic, Protocol, TypeVar
@@ -53,6 +57,7 @@ from .backend import BackendPlan
 from .order import StepOrder
 from .pool import HostBufferPool
 from .state import ShardedState, TrainingState
+from .window import InFlight, SmallUnitWindow
 
 __all__ = ["AfterBackward", "BufferContent", "HostStrategy", "HostUnit", "Release"]
 
@@ -132,7 +137,10 @@ class HostStrategy(Generic[U]):
         lendable: Callable[[Any], int],
     ) -> None:
         self.root = root
-        self.window_bytes = plan.window_bytes  # [Note: a window for small units]
+        # [Note: a window for small units] (fullshard.engine.window); None: one unit ahead
+        self.window: SmallUnitWindow[U] | None = (
+            SmallUnitWindow(_gathered_nbytes, plan.window_bytes) if plan.window_bytes else None
+        )
         # [Note: recycling unsharded buffers] (fullshard.engine.pool)
         self.pool: HostBufferPool | None = HostBufferPool(device) if plan.buffer_pool else None
         # [Note: gradient memory lent for the next forward]
@@ -154,8 +162,10 @@ class HostStrategy(Generic[U]):
     def forward_begins(self, order: StepOrder[U]) -> None:
         """The root's forward starts (before ``order`` turns the last forward into the
         plan): memory pooled since a forward without backward goes; lent gradient slabs
-        nothing holds any more become memory for the first gathers."""
+        nothing holds any more become memory for the first gathers; the window starts over."""
         self._slab_plan = None
+        if self.window is not None:
+            self.window.new_step()
         if self.pool is None:
             return
         first = self._first_gather_sizes(order)
@@ -205,10 +215,32 @@ class HostStrategy(Generic[U]):
             self.pool.release_unused_slabs()
 
     def reset(self) -> None:
-        """``reset_iter_state``: forget everything pooled and lent."""
+        """``reset_iter_state``: forget everything pooled and lent, and what the window issued."""
         self._slab_plan = None
+        if self.window is not None:
+            self.window.new_step()
         if self.pool is not None:
             self.pool.forget()
+
+    def prefetch_forward(self, order: StepOrder[U], unit: U) -> list[U]:
+        """What ``unit``'s pre-forward gathers ahead (implicit prefetch): the next unit, and
+        with the window the small ones after it ([Note: a window for small units])."""
+        if self.window is None:
+            return order.next_in_forward(unit)
+        return self.window.forward(order, unit)
+
+    def prefetch_backward(self, order: StepOrder[U], unit: U) -> list[U]:
+        """What ``unit``'s pre-backward gathers ahead: the unit whose backward runs next,
+        and with the window the small ones after it."""
+        if self.window is None:
+            return order.next_in_backward(unit)
+        return self.window.backward(order, unit)
+
+    def room_for_reduction(self, beyond: Sequence[InFlight], nbytes: int) -> bool:
+        """Whether a reduction of ``nbytes`` may be issued with ``beyond`` (the reductions in
+        flight past the context's ``max_pending``) left in flight: only with the window, while
+        they fit it."""
+        return self.window is not None and self.window.room_for_reduction(beyond, nbytes)
 
     # -------------------------------------------------------------------- the buffers
     def release(self, storage: torch.UntypedStorage, how: Release, group: _Group) -> bool:
@@ -296,6 +328,10 @@ class HostStrategy(Generic[U]):
             wanted.remove(total)
             end = found
         return plan
+
+
+def _gathered_nbytes(unit: HostUnit) -> int:
+    return unit.group.unsharded_nbytes()
 
 
 class AfterBackward:

@@ -16,7 +16,7 @@ per-dtype and per-mesh child groups) holds them; ``fullshard.engine.gather`` and
 - ``max_input_buffers``: reductions allowed in flight at once (the root's units share one cap,
   the largest any of them asks for; ``StepContext.make_room``); ``None``, the default, is 1
   widened on the CPU by the window for small units ([Note: a window for small units] in
-  ``fullshard.engine.order``), which a cap set explicitly replaces.
+  ``fullshard.engine.window``), which a cap set explicitly replaces.
 - ``reduce_scatter_group``: a process group of its own for the unit's reduce-scatters
   (:func:`separate_reduce_scatter_groups`);
 - ``requires_gradient_sync``, ``requires_all_reduce``, ``gradient_divide_factor``,

@@ -383,7 +383,7 @@ class _Timeline:
         self.shard = sum(u.shard_numel for u in units) * F32
         self.n_states = OPTIMIZER_STATES[spec.optimizer]
         unit_bytes = [u.padded_numel * self.pbytes for u in units]
-        # [Note: a window for small units] in fullshard.engine.order: fullshard's backend plan
+        # [Note: a window for small units] in fullshard.engine.window: fullshard's backend plan
         # on the CPU gathers and reduces small units further ahead ([Note: the backend plan])
         self.window = (
             BackendPlan.choose(eng.transport[1], eng.transport[0]).window_bytes
