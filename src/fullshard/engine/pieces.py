@@ -34,8 +34,7 @@ from .events import emit
 from .gather import GatherUnit, PendingGather, allocate_unsharded
 from .handle import Handle
 from .p2p import all_gather_pieces, reduce_scatter_pieces
-from .param import ShardedParam
-from .reduce import ReduceUnit, reduce_output
+from .reduce import ReduceUnit, Reduction, reduce_output
 
 __all__ = ["gather", "reduce"]
 
@@ -61,29 +60,22 @@ def gather(g: GatherUnit) -> PendingGather:
     return PendingGather(handle, None, None)
 
 
-def reduce(
-    g: ReduceUnit,
-    params: list[ShardedParam],
-    grads: list[torch.Tensor | None],
-    offsets: list[int],
-    total: int,
-    dtype: torch.dtype,
-    what: str,
-) -> tuple[Handle, torch.Tensor, object] | None:
+def reduce(g: ReduceUnit, r: Reduction) -> tuple[Handle, torch.Tensor, object] | None:
     """Reduce-scatter straight from the gradients (see [Note: reducing in pieces]); ``None``
     (nothing issued) where a gradient cannot be sent as it is."""
-    if not all(grad is not None and grad.dtype == dtype and grad.is_contiguous() for grad in grads):
+    ok = (grad is not None and grad.dtype == r.dtype and grad.is_contiguous() for grad in r.grads)
+    if not all(ok):
         return None
     emit("reduce_issue", g.name, "pieces")
-    out = reduce_output(g, total, dtype)
-    for sp, o in zip(params, offsets):  # padding: never read, but keep it finite
+    out = reduce_output(g, r.total, r.dtype)
+    for sp, o in zip(r.params, r.offsets):  # padding: never read, but keep it finite
         if sp.local_numel < sp.shard_numel:
             out[o + sp.local_numel : o + sp.shard_numel].zero_()
-    flats = [grad.view(-1) for grad in grads if grad is not None]
-    per_param = [sp.grad_pieces(flat) for sp, flat in zip(params, flats)]
-    pieces = [[pp[r] for pp in per_param] for r in range(g.world)]
-    outputs = [out[o : o + sp.local_numel] for sp, o in zip(params, offsets)]
-    nbytes = g.world * total * out.element_size()
+    flats = [grad.view(-1) for grad in r.grads if grad is not None]
+    per_param = [sp.grad_pieces(flat) for sp, flat in zip(r.params, flats)]
+    pieces = [[pp[k] for pp in per_param] for k in range(g.world)]
+    outputs = [out[o : o + sp.local_numel] for sp, o in zip(r.params, r.offsets)]
+    nbytes = g.world * r.total * out.element_size()
     with g.comm.streams.use("reduce"):
-        handle = reduce_scatter_pieces(pieces, outputs, g.reduce_group, nbytes=nbytes, what=what)
+        handle = reduce_scatter_pieces(pieces, outputs, g.reduce_group, nbytes=nbytes, what=r.what)
     return handle, out, flats

@@ -61,6 +61,7 @@ __all__ = [
     "PartialReduce",
     "PendingReduce",
     "ReduceUnit",
+    "Reduction",
     "collect_grads",
     "direct_output_nbytes",
     "fp16_pre_divide",
@@ -349,6 +350,18 @@ def grad_division(g: ReduceUnit, dtype: torch.dtype) -> GradDivision:
     return GradDivision(pre, factor / pre, not fp16 and not g.overrides.force_sum_reduction)
 
 
+@dataclass
+class Reduction:
+    """One unit's gradients about to be reduced: what every way of reducing them reads."""
+
+    params: list[ShardedParam]
+    grads: list[torch.Tensor | None]  # each dropped once it is packed or sent
+    offsets: list[int]  # each parameter's first element in the packed row
+    total: int  # elements of one rank's packed row
+    dtype: torch.dtype  # the dtype reduced in
+    what: str  # for errors
+
+
 def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) -> PendingReduce:
     """Reduce-scatter ``ready``'s gradients the way the unit's transport says; empties
     ``ready`` (so the caller holds no gradient references)."""
@@ -360,17 +373,18 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
     division = grad_division(g, dtype)
     hsdp = g.info.replicate_size > 1
     params = [sp for sp, _ in ready]
-    grads: list[torch.Tensor | None] = [grad for _, grad in ready]
+    r = Reduction(
+        params, [grad for _, grad in ready], offsets, off, dtype, f"gradients of unit {g.name!r}"
+    )
     ready.clear()
-    what = f"gradients of unit {g.name!r}"
     # the unit's transport, decided once (ParamGroup._choose_transport): a plug-in's own way
     # of reducing (None where it cannot send these gradients as they are), else packed
     reduce = g.transport.reduce
     with torch.no_grad():
-        sent = reduce(g, params, grads, offsets, off, dtype, what) if reduce else None
+        sent = reduce(g, r) if reduce else None
         if sent is None:
             emit("reduce_issue", g.name, "packed")
-            sent = _reduce_packed(g, params, grads, offsets, off, dtype, division.pre, what)
+            sent = _reduce_packed(g, r, division.pre)
     handle, out, send = sent
     return PendingReduce(
         g.name,
@@ -381,7 +395,7 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         g.info.replicate_group if hsdp and g.overrides.requires_all_reduce else None,
         division,
         send,
-        what,
+        r.what,
         g.comm.streams,
         offload=g.offloaded,
         pin=g.pin_memory,
@@ -403,27 +417,20 @@ def _taken(
 
 
 def _reduce_packed(
-    g: ReduceUnit,
-    params: list[ShardedParam],
-    grads: list[torch.Tensor | None],
-    offsets: list[int],
-    total: int,
-    dtype: torch.dtype,
-    pre: float,
-    what: str,
+    g: ReduceUnit, r: Reduction, pre: float
 ) -> tuple[C.Handle, torch.Tensor, object]:
     """Pack the gradients into one ``[world, total]`` buffer and reduce-scatter it.
 
     Packing runs on the compute stream and drops each full-size gradient right after its copy
     (peak: the buffer + one gradient); only the collective runs on the reduce stream.
     """
-    world = g.world
+    world, total, dtype, grads = g.world, r.total, r.dtype, r.grads
     comm = g.overrides.reduce_scatter  # custom ReduceScatter: allocates, runs the collective
     keep = g.keep_unsharded_storage and comm is None  # [Note: a capturable step]
     n = world * total
     send = g.kept.take(keep, "reduce_in", n, dtype, lambda: allocate(comm, n, dtype, g.device))
     send = send.view(world, total)
-    for i, (sp, o) in enumerate(zip(params, offsets)):
+    for i, (sp, o) in enumerate(zip(r.params, r.offsets)):
         grad = grads[i]
         assert grad is not None
         grads[i] = None  # the packed copy is all we need from here on
@@ -442,7 +449,7 @@ def _reduce_packed(
         )
     with g.comm.streams.use("reduce"):
         handle = C.reduce_scatter(
-            out, send.view(-1), g.reduce_group, what=what, comm=comm or g.transport.reduce_scatter
+            out, send.view(-1), g.reduce_group, what=r.what, comm=comm or g.transport.reduce_scatter
         )
     return handle, out, send
 
