@@ -336,22 +336,3 @@ def test_no_import_cycles_in_the_engine() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
-
-
-#: The engine's core, FSDP2's plain path ([Note: the host strategy] in fullshard.engine.host),
-#: and what it leaves to the host strategy's plug-ins, by the words that name them.
-CORE = ["order", "context", "hooks", "group", "gather", "collectives"]
-PLUGIN_WORDS = ["window"]
-
-
-def test_the_core_leaves_the_small_unit_window_to_the_host_strategy() -> None:
-    """The core's prefetch is one unit ahead and its reductions ``max_pending`` in flight; the
-    CPU's window for small units (``fullshard.engine.window``) is the host strategy's, asked
-    at named points, so no core module names it."""
-    bad = [
-        f"{name}.py:{i}: {line.strip()}"
-        for name in CORE
-        for i, line in enumerate((PACKAGE / "engine" / f"{name}.py").read_text().splitlines(), 1)
-        if any(word in line.lower() for word in PLUGIN_WORDS)
-    ]
-    assert not bad, "the core names a plug-in's concern:\n  " + "\n  ".join(bad)

@@ -2,7 +2,7 @@
 
 The functions are thin and stateless: they issue one ``torch.distributed`` collective (or run
 a comm object with torch's ``AllGather`` / ``ReduceScatter`` protocol in its place: a user's
-custom collective, the backend's buffers, or a plug-in such as ``fullshard.engine.p2p``),
+custom collective, the backend's buffers, or the comms a unit's transport holds: a plug-in's),
 asynchronously by default, and report what they sent to any active :class:`CollectiveStats`
 recorder (see :func:`count_collectives`). :func:`issue` is the one door every collective and
 every plug-in's exchange goes through: it names the collective in errors and wraps it in a
@@ -17,7 +17,7 @@ ZeRO-3 moves 3 x parameter bytes per step (two all-gathers and one reduce-scatte
 same path whether or not one watches, and touches none of their state. What they see is what
 was dispatched. On the core path (the CPU fast paths off, and always on CUDA) that is FSDP2's:
 one all-gather per unit gather, one reduce-scatter per unit reduction. On gloo's fast paths
-([Note: the backend plan] in ``fullshard.engine.backend``) it is what ran instead: a p2p
+([Note: the backend plan] in ``fullshard.engine.backend``) it is what ran instead: a plug-in's
 exchange is sends and receives, which ``CommDebugMode`` does not count; a reduce-scatter run as
 an in-place all-reduce counts as an all-reduce; a unit taking back its own gathered memory runs
 no collective. ``tests/test_observed.py`` checks the counts against a dispatch mode that only

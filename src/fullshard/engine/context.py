@@ -228,11 +228,11 @@ class StepContext(Generic[U]):
 
     def end_backward_iteration(self) -> None:
         """Wait for the reductions in flight, hand out their gradients, reshard what
-        ``reshard_after_backward`` says, and give pooled memory back for the optimizer step."""
+        ``reshard_after_backward`` says, and give held memory back for the optimizer step."""
         self.finish_pending()
         self.comm.streams.wait_host_copies()
         self._units_idle()
-        self._host_backward_ends()  # the optimizer step runs with no pooled memory
+        self._host_backward_ends()  # the optimizer step runs with no held memory
         self.manual_active = None
 
     def _host_backward_ends(self) -> None:

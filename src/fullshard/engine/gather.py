@@ -91,16 +91,16 @@ class PendingGather:
 
 
 def allocate_unsharded(g: GatherUnit, buf: torch.Tensor) -> None:
-    """Give the (resized-to-0) unsharded buffer its storage back: fresh memory, or the
-    host strategy's pooled memory ([Note: the host strategy] in ``fullshard.engine.host``)."""
+    """Give the (resized-to-0) unsharded buffer its storage back: fresh memory, or memory
+    the host strategy holds ([Note: the host strategy] in ``fullshard.engine.host``)."""
     storage, nbytes, host = buf.untyped_storage(), buf.numel() * buf.element_size(), g.comm.host
     if storage.nbytes() == nbytes:
         return
-    if host is not None and host.refill(storage, nbytes):
-        emit("unshard_alloc", g.name, "recycled")
-        return
-    storage.resize_(nbytes)
-    emit("unshard_alloc", g.name, "fresh")
+    how = host.refill(storage, nbytes) if host is not None else ""
+    if not how:
+        storage.resize_(nbytes)
+        how = "fresh"
+    emit("unshard_alloc", g.name, how)
 
 
 def _offload_event(g: GatherUnit) -> None:
@@ -126,7 +126,7 @@ def start_gather(g: GatherUnit) -> PendingGather:
         emit("gather_issue", g.name, "reused", nbytes=buf.numel() * buf.element_size())
         return PendingGather(C.Handle(None, g.device), None, None)
     _offload_event(g)
-    # the unit's transport, decided once (ParamGroup._choose_transport): a plug-in's own way
+    # the unit's transport, decided once (transport.decide): a plug-in's own way
     # of gathering, else packed; the kept copy of an int reshard_after_forward is regathered
     # packed within its subgroup
     gather = g.transport.gather if g.post_forward_chunk is None else None

@@ -33,13 +33,12 @@ from .reduce import (
     PartialReduce,
     PendingReduce,
     collect_grads,
-    grad_division,
     hand_out_local,
     start_reduce,
 )
 from .state import ShardedState, transition
 from .streamcheck import freed
-from .transport import Transport, select_transport
+from .transport import Transport, aliasable, decide
 
 __all__ = ["ParamGroup"]
 
@@ -186,7 +185,7 @@ class ParamGroup:
             off += sp.shard_numel
         self.total = off
         dtype = self.compute_dtype()
-        self._choose_transport(self._aliasable())
+        self.transport = decide(self, aliasable(self))
         if self.transport.local:  # [Note: a shard group of one rank]
             self.unsharded_buf, self._regions = None, []
             self._aliased = [sp.local for sp in self.layout]
@@ -232,58 +231,12 @@ class ParamGroup:
         for child in self.subgroups:
             child.bind(comm)
 
-    def _choose_transport(self, aliasable: bool) -> None:
-        """The unit's one decision of how each direction moves: ``select_transport``'s choice
-        for its size and backend, kept packed where a unit's settings need one buffer (a
-        custom collective takes packed buffers; a wire dtype other than the compute dtype,
-        or an fp16 division split around the reduction, converts the packed buffer). Made at
-        lazy init and again when such a setting changes (:meth:`settings_changed`); a
-        gather or reduction only reads it ([Note: transports] in fullshard.engine.transport)."""
-        t = select_transport(
-            self.comm_policy.transport,
-            self.comm.plan.backend,
-            self.comm.plan.device_type,
-            self.world,
-            self.world * self.total * self.compute_dtype().itemsize,
-            aliasable=aliasable,
-            plan=self.comm.plan,
-        )
-        if t.local:
-            self.transport = t
-            return
-        self.transport = t.packing(
-            gathers=self.overrides.all_gather is not None
-            or self.wire_gather_dtype() != self.compute_dtype(),
-            reductions=self.overrides.reduce_scatter is not None
-            or grad_division(self, self.wire_reduce_dtype()).pre != 1.0,
-        )
-
     def settings_changed(self) -> None:
         """A knob the transport depends on changed (custom collectives, the gradient divide
         factor; ``FSDPModule``'s setters call this): decide again, keeping the layout."""
         for g in (self, *self.subgroups):
             if g._layout_key:  # laid out (before that, lazy init decides)
-                g._choose_transport(g.transport.local)
-
-    def _aliasable(self) -> bool:
-        """Whether this unit's unsharded parameters can be its shards themselves ([Note: a
-        shard group of one rank] in ``fullshard.engine.transport``)."""
-        dtype = self.compute_dtype()
-        cp = self.comm_policy
-        return (
-            self.world == 1
-            and self.info.replicate_size == 1
-            and not self.offloaded
-            and self.extended is None
-            and self.overrides.allows_local()
-            and self.accum_dtype() == dtype
-            and cp.all_gather_dtype in (None, dtype)
-            and cp.reduce_dtype in (None, dtype)
-            and all(
-                sp.tp_mesh is None and sp.orig_dtype == dtype and sp.local.device == self.device
-                for sp in self.layout
-            )
-        )
+                g.transport = decide(g, g.transport.local)
 
     @property
     def own_params(self) -> list[ShardedParam]:

@@ -256,10 +256,10 @@ class HostStrategy(Generic[U]):
             return True
         return False
 
-    def refill(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+    def refill(self, storage: torch.UntypedStorage, nbytes: int) -> str:
         """Give a gather's (0-byte) ``storage`` held memory of ``nbytes`` if some has that
-        size; ``False`` when the core allocates it."""
-        return self.pool is not None and self.pool.take(storage, nbytes)
+        size: ``"recycled"`` (the event's detail), or ``""`` when the core allocates it."""
+        return "recycled" if self.pool is not None and self.pool.take(storage, nbytes) else ""
 
     def take_back(
         self, storage: torch.UntypedStorage, nbytes: int, matches: Callable[[object], bool]

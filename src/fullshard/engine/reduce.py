@@ -156,7 +156,7 @@ class PendingReduce:
     partial: PartialReduce | None = None
     allreduce_issued: bool = False
     overrides: CommOverrides | None = None  # the unit's, for the all-reduce hook
-    nbytes: int = 0  # the unit's unsharded bytes, for the CPU's window of reductions in flight
+    nbytes: int = 0  # the unit's unsharded bytes (the host strategy's room for reductions)
     hooked: Any = None  # the hook stream's event once the hook ran there (advance)
     # the unit's kept buffers and the ones this reduction took ([Note: a capturable step])
     kept: tuple[KeptBuffers, tuple[torch.Tensor, ...]] | None = None
@@ -333,8 +333,8 @@ class GradDivision:
 
 
 def grad_division(g: ReduceUnit, dtype: torch.dtype) -> GradDivision:
-    """The one place a unit's gradient division is decided, for every transport (packed, in
-    pieces, local) and every shard group size.
+    """The one place a unit's gradient division is decided, for every transport (packed, a
+    plug-in's, local) and every shard group size.
 
     The factor is ``set_gradient_divide_factor``'s, else the data-parallel size (shard x
     replicate ranks: the mean). fp16 (``dtype``, the dtype reduced in) splits it around the
@@ -377,7 +377,7 @@ def start_reduce(g: ReduceUnit, ready: list[tuple[ShardedParam, torch.Tensor]]) 
         params, [grad for _, grad in ready], offsets, off, dtype, f"gradients of unit {g.name!r}"
     )
     ready.clear()
-    # the unit's transport, decided once (ParamGroup._choose_transport): a plug-in's own way
+    # the unit's transport, decided once (transport.decide): a plug-in's own way
     # of reducing (None where it cannot send these gradients as they are), else packed
     reduce = g.transport.reduce
     with torch.no_grad():
@@ -457,8 +457,8 @@ def _reduce_packed(
 def direct_output_nbytes(g: ReduceUnit) -> int:
     """Bytes of the reduce-scatter output ``g``'s backward allocates (every parameter with a
     gradient) when that output becomes the gradient shards as it is, else 0 (the outputs are
-    temporaries): what the host strategy may carve from memory it holds ([Note: gradient
-    memory lent for the next forward] in ``fullshard.engine.pool``).
+    temporaries): what the host strategy may carve from memory it holds ([Note: the host
+    strategy] in ``fullshard.engine.host``).
     """
     if (
         g.transport.local

@@ -27,7 +27,7 @@ buffer's collective on gloo may itself be one p2p message per peer (on 2 ranks, 
 size). A unit chooses once, at lazy init (:func:`select_transport`, from its root's backend
 plan: [Note: the backend plan]), and keeps packed a direction its settings need one buffer
 for (a custom collective, an int8 or other wire dtype, fp16's split division); a setter that
-changes one of those decides again (``ParamGroup._choose_transport``). A gather or a reduction
+changes one of those decides again (:func:`decide`). A gather or a reduction
 only reads the decision (the kept copy of an int ``reshard_after_forward``, regathered within
 its subgroup, and gradients that cannot be sent as they are, are packed). The planner's
 engine model (``fullshard.memory.planner``) and the benchmarks' variants use the same
@@ -54,13 +54,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from . import pieces
 from .backend import BackendPlan
 from .p2p import P2PAllGather, P2PReduceScatter, packed_comms
+from .reduce import ReduceUnit, grad_division
 
-__all__ = ["TRANSPORTS", "Transport", "select_transport"]
+__all__ = ["TRANSPORTS", "Transport", "aliasable", "decide", "select_transport"]
 
 TRANSPORTS = ("auto", "packed", "p2p")
 
@@ -160,4 +163,69 @@ def select_transport(
         gathers_in_pieces=plan.gathers_in_pieces(shard_size, unit_bytes),
         reduces_in_pieces=plan.reduces_in_pieces(shard_size, unit_bytes),
         comms=comms,
+    )
+
+
+class _Deciding(ReduceUnit, Protocol):
+    """What a unit's transport decision reads of it (``ParamGroup`` is one)."""
+
+    total: int
+
+    @property
+    def extended(self) -> object | None:
+        """The unit's all-gather-extension parameters' gather (None: none)."""
+
+    @property
+    def layout(self) -> list[Any]: ...
+
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def accum_dtype(self) -> torch.dtype: ...
+
+    def wire_gather_dtype(self) -> torch.dtype: ...
+
+
+def decide(g: _Deciding, may_alias: bool) -> Transport:
+    """The unit's one decision of how each direction moves: :func:`select_transport`'s choice
+    for its size and its root's plan, kept packed where the unit's settings need one buffer (a
+    custom collective takes packed buffers; a wire dtype other than the compute dtype, or an
+    fp16 division split around the reduction, converts the packed buffer). Made at lazy init
+    and again when such a setting changes (``ParamGroup.settings_changed``); a gather or a
+    reduction only reads it."""
+    t = select_transport(
+        g.comm_policy.transport,
+        g.comm.plan.backend,
+        g.comm.plan.device_type,
+        g.world,
+        g.world * g.total * g.compute_dtype().itemsize,
+        aliasable=may_alias,
+        plan=g.comm.plan,
+    )
+    if t.local:
+        return t
+    return t.packing(
+        gathers=g.overrides.all_gather is not None or g.wire_gather_dtype() != g.compute_dtype(),
+        reductions=g.overrides.reduce_scatter is not None
+        or grad_division(g, g.wire_reduce_dtype()).pre != 1.0,
+    )
+
+
+def aliasable(g: _Deciding) -> bool:
+    """Whether the unit's unsharded parameters can be its shards themselves ([Note: a shard
+    group of one rank])."""
+    dtype = g.compute_dtype()
+    cp = g.comm_policy
+    return (
+        g.world == 1
+        and g.info.replicate_size == 1
+        and not g.offloaded
+        and g.extended is None
+        and g.overrides.allows_local()
+        and g.accum_dtype() == dtype
+        and cp.all_gather_dtype in (None, dtype)
+        and cp.reduce_dtype in (None, dtype)
+        and all(
+            sp.tp_mesh is None and sp.orig_dtype == dtype and sp.local.device == g.device
+            for sp in g.layout
+        )
     )
