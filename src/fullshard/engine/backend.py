@@ -12,7 +12,7 @@ measured special cases are plan choices, each of which can be switched off on it
   ([Note: transports] in ``fullshard.engine.transport``);
 - ``p2p_collectives``: a packed buffer's all-gather / reduce-scatter runs as p2p exchanges or
   an in-place all-reduce where that measured faster than gloo's own (:meth:`algorithm`;
-  [Note: p2p on gloo] in ``fullshard.engine.collectives``);
+  [Note: p2p on gloo] in ``fullshard.engine.p2p``);
 - ``small_unit_window``: the implicit prefetch and the reductions in flight run further ahead
   for small units ([Note: a window for small units] in ``fullshard.engine.window``);
 - ``buffer_pool``: freed unsharded buffers are recycled for the next gather and a unit may
@@ -66,7 +66,7 @@ P2P_MAX_RANKS = 8
 # Between these two sizes (the full buffer) gloo's own collectives are kept; outside it, on 2
 # ranks, one message per peer wins. Small buffers are latency: gloo's all-gather and its ring
 # all-reduce (two round trips) against one send and one receive. Large ones are bandwidth: see
-# [Note: p2p on gloo] in fullshard.engine.collectives. Quiet machine, ``python
+# [Note: p2p on gloo] in fullshard.engine.p2p. Quiet machine, ``python
 # benchmarks/collectives.py --nproc 2 --sizes 0.004 0.016 0.064 0.128 0.25 0.5 --iters 200``,
 # two runs, ms: all-gather 0.40-0.57 (gloo) vs 0.33-0.51 (p2p) up to 0.128 MiB; reduce-scatter
 # 0.61-1.06 (as all-reduce) vs 0.34-0.61 (p2p) up to 0.128 MiB, while at 0.25-0.5 MiB a p2p

@@ -73,7 +73,7 @@ class CollectiveStats:
 
 
 # Recorders currently listening. Explicit and scoped by ``count_collectives``; the only other
-# module-level state in fullshard is the per-group p2p tag counter (``collectives._next_tag``).
+# module-level state in fullshard is the per-group p2p tag counter (``p2p._next_tag``).
 _active: list[CollectiveStats] = []
 
 
