@@ -81,6 +81,7 @@ class StepContext(Generic[U]):
         # cases ([Note: the host strategy] in fullshard.engine.host; None: the core alone)
         host = HostStrategy.for_plan(device, plan, root, direct_output_nbytes)
         self.comm = CommContext(plan, streams or CommStreams(device), host)
+        self.host: HostStrategy[U] | None = host  # the comm context's (read on every hook)
         self.order: StepOrder[U] = StepOrder()
         self.pending: list[PendingReduce] = []
         # HSDP reductions whose all-reduce across replicas is in flight (see make_room)
@@ -100,11 +101,6 @@ class StepContext(Generic[U]):
         self.active_reduction: object | None = None
         # the k-rank groups of int reshard_after_forward, by their ranks
         self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-    @property
-    def host(self) -> HostStrategy[U] | None:
-        """The root's CPU special cases (``None``: the core alone)."""
-        return self.comm.host
 
     def begin_forward(self) -> None:
         """The root's forward starts: the last forward's order becomes the prefetch plan

@@ -192,7 +192,8 @@ class HostStrategy(Generic[U]):
         return Release.HOLD if same else Release.FREE
 
     def after_backward(self, order: StepOrder[U], unit: U) -> AfterBackward | None:
-        """How ``unit``'s post-backward releases its memory (``None``: the core's way). The
+        """How ``unit``'s post-backward releases its memory (``None``: the core's way, freed
+        and no slab). The
         buffer is held where the unit the next one prefetches has not been gathered for this
         backward yet; the slab plan may open a gradient slab for its reduction."""
         if self.pool is None:
@@ -205,7 +206,8 @@ class HostStrategy(Generic[U]):
         )
         if self._slab_plan is None:
             self._slab_plan = self._plan_slabs(order)
-        return AfterBackward(self, hold, self._slab_plan.get(unit, 0))
+        slab = self._slab_plan.get(unit, 0)
+        return AfterBackward(self, hold, slab) if hold or slab else None
 
     def backward_ends(self) -> None:
         """A backward ended: the optimizer step runs with no pooled memory; slabs no
