@@ -495,7 +495,7 @@ class ShardedParam:
         (the unit counts them to fire its post-backward); once per unsharded parameter."""
         assert self.unsharded_param is not None
         self.unsharded_param.register_post_accumulate_grad_hook(
-            lambda _p: on_grad_accumulated(self)
+            _GradHook(self, on_grad_accumulated)
         )
         self.grad_hooked = True
 
@@ -541,6 +541,37 @@ class ShardedParam:
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
         for hook in (hooks or {}).values():
             hook(self.sharded_param)
+
+
+# [Note: a gradient hook holds its unit weakly]
+# torch keeps a parameter's post-accumulate-grad hooks in C++ (the tensor's autograd meta holds
+# the dict of hooks), where the garbage collector cannot see them. A hook that held its
+# ShardedParam or its unit strongly would close a cycle through C++ (parameter -> hook ->
+# ShardedParam or unit -> parameter) that no ``gc.collect()`` breaks: every model that ran a
+# forward would stay in memory, parameters, gradients and all, for the life of the process.
+# So the hook holds both weakly; it only fires in a backward, while the model is alive.
+class _GradHook:
+    """The unsharded parameter's post-accumulate-grad hook: ``on_grad_accumulated(sp)``, with
+    ``sp`` and the method's owner held weakly (see the Note)."""
+
+    __slots__ = ("_func", "_owner", "_sp")
+
+    def __init__(
+        self, sp: ShardedParam, on_grad_accumulated: Callable[[ShardedParam], None]
+    ) -> None:
+        self._sp = weakref.ref(sp)
+        owner = getattr(on_grad_accumulated, "__self__", None)  # a bound method: its unit
+        self._owner = None if owner is None else weakref.ref(owner)
+        self._func = on_grad_accumulated if owner is None else on_grad_accumulated.__func__  # type: ignore[attr-defined]
+
+    def __call__(self, _param: torch.Tensor) -> None:
+        sp = self._sp()
+        if sp is None:
+            return
+        if self._owner is None:
+            self._func(sp)
+        elif (owner := self._owner()) is not None:
+            self._func(owner, sp)
 
 
 def _norm(dim: int, ndim: int) -> int:
