@@ -562,7 +562,9 @@ class _GradHook:
         self._sp = weakref.ref(sp)
         owner = getattr(on_grad_accumulated, "__self__", None)  # a bound method: its unit
         self._owner = None if owner is None else weakref.ref(owner)
-        self._func = on_grad_accumulated if owner is None else on_grad_accumulated.__func__  # type: ignore[attr-defined]
+        self._func: Callable[..., None] = getattr(
+            on_grad_accumulated, "__func__", on_grad_accumulated
+        )
 
     def __call__(self, _param: torch.Tensor) -> None:
         sp = self._sp()
