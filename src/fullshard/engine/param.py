@@ -492,10 +492,11 @@ class ShardedParam:
 
     def hook_grad(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Have the unsharded parameter's accumulated gradients call ``on_grad_accumulated``
-        (the unit counts them to fire its post-backward); once per unsharded parameter."""
+        (the unit's bound method, held weakly: [Note: a gradient hook holds its unit weakly];
+        the unit counts them to fire its post-backward); once per unsharded parameter."""
         assert self.unsharded_param is not None
         self.unsharded_param.register_post_accumulate_grad_hook(
-            _GradHook(self, on_grad_accumulated)
+            _weak_grad_hook(self, on_grad_accumulated)
         )
         self.grad_hooked = True
 
@@ -550,30 +551,22 @@ class ShardedParam:
 # ShardedParam or unit -> parameter) that no ``gc.collect()`` breaks: every model that ran a
 # forward would stay in memory, parameters, gradients and all, for the life of the process.
 # So the hook holds both weakly; it only fires in a backward, while the model is alive.
-class _GradHook:
-    """The unsharded parameter's post-accumulate-grad hook: ``on_grad_accumulated(sp)``, with
-    ``sp`` and the method's owner held weakly (see the Note)."""
+def _weak_grad_hook(
+    sp: ShardedParam, on_grad_accumulated: Callable[[ShardedParam], None]
+) -> Callable[[torch.Tensor], None]:
+    """The unsharded parameter's post-accumulate-grad hook: ``on_grad_accumulated(sp)`` (a
+    bound method: its unit's), with ``sp`` and the method's object held weakly (see the
+    Note). A closure, not a callable object: it runs for every parameter every backward."""
+    sp_ref = weakref.ref(sp)
+    unit_ref = weakref.ref(on_grad_accumulated.__self__)  # type: ignore[attr-defined]
+    func = on_grad_accumulated.__func__  # type: ignore[attr-defined]
 
-    __slots__ = ("_func", "_owner", "_sp")
+    def hook(_param: torch.Tensor) -> None:
+        unit, param = unit_ref(), sp_ref()
+        if unit is not None and param is not None:
+            func(unit, param)
 
-    def __init__(
-        self, sp: ShardedParam, on_grad_accumulated: Callable[[ShardedParam], None]
-    ) -> None:
-        self._sp = weakref.ref(sp)
-        owner = getattr(on_grad_accumulated, "__self__", None)  # a bound method: its unit
-        self._owner = None if owner is None else weakref.ref(owner)
-        self._func: Callable[..., None] = getattr(
-            on_grad_accumulated, "__func__", on_grad_accumulated
-        )
-
-    def __call__(self, _param: torch.Tensor) -> None:
-        sp = self._sp()
-        if sp is None:
-            return
-        if self._owner is None:
-            self._func(sp)
-        elif (owner := self._owner()) is not None:
-            self._func(owner, sp)
+    return hook
 
 
 def _norm(dim: int, ndim: int) -> int:
