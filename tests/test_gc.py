@@ -1,6 +1,8 @@
 """A sharded model is garbage-collected once the user drops it, whatever it has done: built,
 run forward, backward, an optimizer step, ``summon_full_params`` / ``unshard``, a state dict,
-``no_sync`` / ``set_requires_gradient_sync(False)``. Collected means the module object is gone
+``no_sync`` / ``set_requires_gradient_sync(False)``, under each sharding strategy, mixed
+precision, CPU offload, activation checkpointing, HSDP, comm hooks, explicit prefetching and
+frozen parameters. Collected means the module object is gone
 and so is every tensor storage the model and its engine held (sharded and unsharded
 parameters, gradients, gather buffers), so a process that builds models one after another
 (sweeps, notebooks, test suites, RL that rebuilds its policy) does not keep each one's memory.
@@ -16,17 +18,27 @@ import gc
 import types
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffload, ShardingStrategy, StateDictType
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+)
+from torch.distributed.algorithms._comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffload,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fullshard
-from fsdp1_cases import BF16, batch, loss_of, make_net, wrap
+from fsdp1_cases import BF16, Block, batch, loss_of, make_net, wrap
 from fullshard.testing import run_distributed
 
 # What a case does with its model (and optimizer) before dropping it.
@@ -121,14 +133,32 @@ FSDP1_ACTIONS: dict[str, Action] = {
     "sharded_state_dict": _fsdp1_state_dict(StateDictType.SHARDED_STATE_DICT),
     "clip_grad_norm_": _fsdp1_clip,
 }
-# FSDP1 configurations, each run through every action (a few for the variants)
-FSDP1_CONFIGS: dict[str, dict[str, Any]] = {
-    "": {},
-    "flat": {"use_orig_params": False},
-    "grad_op": {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
-    "no_shard": {"sharding_strategy": ShardingStrategy.NO_SHARD},
-    "bf16": {"mixed_precision": BF16},
-    "offload": {"cpu_offload": CPUOffload(offload_params=True)},
+
+
+def _checkpointed() -> nn.Module:
+    net = make_net()
+    apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, Block))
+    return net
+
+
+def _fsdp1_comm_hook(engine: str) -> nn.Module:
+    model = wrap(engine)
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    model.register_comm_hook(state, default_hooks.reduce_scatter_hook)  # type: ignore[operator]
+    return model
+
+
+# FSDP1 models: the first runs every action, the variants a step and no_sync
+FSDP1_BUILDS: dict[str, Callable[[str], nn.Module]] = {
+    "": lambda e: wrap(e),
+    "flat": lambda e: wrap(e, use_orig_params=False),
+    "grad_op": lambda e: wrap(e, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP),
+    "no_shard": lambda e: wrap(e, sharding_strategy=ShardingStrategy.NO_SHARD),
+    "hybrid": lambda e: wrap(e, sharding_strategy=ShardingStrategy.HYBRID_SHARD),
+    "bf16": lambda e: wrap(e, mixed_precision=BF16),
+    "offload": lambda e: wrap(e, cpu_offload=CPUOffload(offload_params=True)),
+    "checkpointed": lambda e: wrap(e, _checkpointed()),
+    "comm_hook": _fsdp1_comm_hook,
 }
 FSDP2_ACTIONS: dict[str, Action] = {
     "construct": lambda model, opt: None,
@@ -141,26 +171,46 @@ FSDP2_ACTIONS: dict[str, Action] = {
     "state_dict": _fsdp2_state_dict,
     "not_last_backward": _fsdp2_not_last_backward,
 }
-FSDP2_CONFIGS: dict[str, dict[str, Any]] = {
-    "": {},
-    "keep_after_forward": {"reshard_after_forward": False},
-    "bf16": {"mp_policy": fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
-}
 
 
-def _fsdp2(engine: str, config: dict[str, Any]) -> nn.Module:
+def _fsdp2(engine: str, net: nn.Module | None = None, **kwargs: Any) -> nn.Module:
     """``make_net()`` with each block and the root sharded by ``engine``'s ``fully_shard``."""
     shard: Any = torch_fully_shard if engine == "torch" else fullshard.fully_shard
-    if "mp_policy" in config and engine == "torch":
-        config = {
-            **config,
-            "mp_policy": torch.distributed.fsdp.MixedPrecisionPolicy(torch.bfloat16),
-        }
-    net = make_net()
-    for block in net.blocks:
-        shard(block, **config)
-    shard(net, **config)
-    return net
+    net = net or make_net()
+    for block in net.blocks:  # type: ignore[union-attr]
+        shard(block, **kwargs)
+    return shard(net, **kwargs)  # type: ignore[no-any-return]
+
+
+def _fsdp2_hooked(engine: str) -> nn.Module:
+    model: Any = _fsdp2(engine)
+    model.set_all_reduce_hook(lambda output: None)
+    model.set_modules_to_forward_prefetch([model.blocks[0]])
+    model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0]])
+    return model  # type: ignore[no-any-return]
+
+
+def _fsdp2_frozen(engine: str) -> nn.Module:
+    model: Any = _fsdp2(engine)
+    model.blocks[0].up.weight.requires_grad_(False)
+    return model  # type: ignore[no-any-return]
+
+
+def _hsdp() -> DeviceMesh:
+    return init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("rep", "shard"))
+
+
+# fully_shard models: the first runs every action, the variants a step and a forward
+FSDP2_BUILDS: dict[str, Callable[[str], nn.Module]] = {
+    "": lambda e: _fsdp2(e),
+    "keep_after_forward": lambda e: _fsdp2(e, reshard_after_forward=False),
+    "reshard_to_1": lambda e: _fsdp2(e, reshard_after_forward=1),
+    "bf16": lambda e: _fsdp2(e, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+    "hsdp": lambda e: _fsdp2(e, mesh=_hsdp()),
+    "checkpointed": lambda e: _fsdp2(e, _checkpointed()),
+    "hooks_and_prefetch": _fsdp2_hooked,
+    "frozen": _fsdp2_frozen,
+}
 
 
 def _storages(root: nn.Module) -> list[weakref.ref[torch.UntypedStorage]]:
@@ -207,24 +257,16 @@ def _collected(build: Callable[[], nn.Module], act: Action) -> tuple[bool, int]:
 def _gc_cases() -> dict[str, tuple[bool, int]]:
     out = {}
     for engine in ("torch", "fullshard"):
-        for cfg, kwargs in FSDP1_CONFIGS.items():
+        for cfg, build in FSDP1_BUILDS.items():
             if engine == "torch" and cfg == "offload":
                 continue  # torch's FSDP1 pins the offloaded shards: it needs a GPU
             actions = FSDP1_ACTIONS if not cfg else {"step": _step, "no_sync": _fsdp1_no_sync}
             for name, act in actions.items():
-
-                def build(e: str = engine, k: dict[str, Any] = kwargs) -> nn.Module:
-                    return wrap(e, **k)
-
-                out[f"fsdp1 {engine} {cfg} {name}"] = _collected(build, act)
-        for cfg, kwargs in FSDP2_CONFIGS.items():
+                out[f"fsdp1 {engine} {cfg} {name}"] = _collected(partial(build, engine), act)
+        for cfg, build in FSDP2_BUILDS.items():
             actions = FSDP2_ACTIONS if not cfg else {"step": _step, "forward": _forward}
             for name, act in actions.items():
-
-                def build2(e: str = engine, k: dict[str, Any] = kwargs) -> nn.Module:
-                    return _fsdp2(e, k)
-
-                out[f"fsdp2 {engine} {cfg} {name}"] = _collected(build2, act)
+                out[f"fsdp2 {engine} {cfg} {name}"] = _collected(partial(build, engine), act)
     return out
 
 
@@ -234,6 +276,7 @@ def test_a_dropped_model_is_collected() -> None:
     its FSDP1 the module in every case but a forward without backward, where it keeps it)."""
     for rank, out in enumerate(run_distributed(_gc_cases, 2)):
         ours = {case: got for case, got in out.items() if " fullshard " in case}
+        assert {case.replace(" torch ", " fullshard ") for case in out} - {""} <= set(ours)
         kept = {case: got for case, got in ours.items() if got != (True, 0)}
         assert not kept, f"rank {rank}: (collected, storages alive) of the models kept: {kept}"
         for case, (collected, alive) in out.items():
