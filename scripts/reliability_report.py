@@ -61,6 +61,12 @@ ELSEWHERE = [
         "SIGKILL of both ranks mid-save (library): the previous checkpoint stays latest",
     ),
     (
+        "tests/test_gc.py::test_a_dropped_model_is_collected",
+        "a model dropped after a forward, a backward, a step, a state dict, summon_full_params "
+        "or no_sync (FSDP1 wrapper and fully_shard) is garbage-collected with every storage it "
+        "held",
+    ),
+    (
         "tests/test_train_config.py::test_bad_values_fail_fast",
         "trainer flag validation (unit level)",
     ),

@@ -492,10 +492,11 @@ class ShardedParam:
 
     def hook_grad(self, on_grad_accumulated: Callable[[ShardedParam], None]) -> None:
         """Have the unsharded parameter's accumulated gradients call ``on_grad_accumulated``
-        (the unit counts them to fire its post-backward); once per unsharded parameter."""
+        (the unit's bound method, held weakly: [Note: a gradient hook holds its unit weakly];
+        the unit counts them to fire its post-backward); once per unsharded parameter."""
         assert self.unsharded_param is not None
         self.unsharded_param.register_post_accumulate_grad_hook(
-            lambda _p: on_grad_accumulated(self)
+            _weak_grad_hook(self, on_grad_accumulated)
         )
         self.grad_hooked = True
 
@@ -541,6 +542,31 @@ class ShardedParam:
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
         for hook in (hooks or {}).values():
             hook(self.sharded_param)
+
+
+# [Note: a gradient hook holds its unit weakly]
+# torch keeps a parameter's post-accumulate-grad hooks in C++ (the tensor's autograd meta holds
+# the dict of hooks), where the garbage collector cannot see them. A hook that held its
+# ShardedParam or its unit strongly would close a cycle through C++ (parameter -> hook ->
+# ShardedParam or unit -> parameter) that no ``gc.collect()`` breaks: every model that ran a
+# forward would stay in memory, parameters, gradients and all, for the life of the process.
+# So the hook holds both weakly; it only fires in a backward, while the model is alive.
+def _weak_grad_hook(
+    sp: ShardedParam, on_grad_accumulated: Callable[[ShardedParam], None]
+) -> Callable[[torch.Tensor], None]:
+    """The unsharded parameter's post-accumulate-grad hook: ``on_grad_accumulated(sp)`` (a
+    bound method: its unit's), with ``sp`` and the method's object held weakly (see the
+    Note). A closure, not a callable object: it runs for every parameter every backward."""
+    sp_ref = weakref.ref(sp)
+    unit_ref = weakref.ref(on_grad_accumulated.__self__)  # type: ignore[attr-defined]
+    func = on_grad_accumulated.__func__  # type: ignore[attr-defined]
+
+    def hook(_param: torch.Tensor) -> None:
+        unit, param = unit_ref(), sp_ref()
+        if unit is not None and param is not None:
+            func(unit, param)
+
+    return hook
 
 
 def _norm(dim: int, ndim: int) -> int:
