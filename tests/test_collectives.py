@@ -167,6 +167,17 @@ def _rank_main() -> dict[str, object]:
     for group, ranks in ((world, [0, 1, 2, 3]), (pair, members)):
         _grouped(group, ranks)
     done.append("grouped")
+    # synchronous calls (torch's protocol: done when they return, no work to wait on)
+    for comm in (_P2P_AG, p2p.P2PAllGather(algorithm="all_gather")):
+        out = torch.full((4 * N,), -1.0)
+        assert comm(out, _chunk(me, 9), world, async_op=False) is None
+        assert torch.equal(out, torch.cat([_chunk(g, 9) for g in range(4)]))
+    for algo in ("p2p", "all_reduce", "reduce_scatter"):
+        rs_out = torch.full((N,), -1.0)
+        rs = p2p.P2PReduceScatter(algorithm=algo)
+        assert rs(rs_out, _full(me, 4, 9), world, async_op=False) is None
+        assert torch.equal(rs_out, sum(_chunk(g, 9) for g in range(4)) * (me + 1)), algo
+    done.append("sync")
     # bf16 through the exchange (values stay exact in bf16)
     out = torch.empty(4 * N, dtype=torch.bfloat16)
     C.all_gather(out, _chunk(me, 0, torch.bfloat16), world, comm=_P2P_AG).wait()
@@ -204,7 +215,7 @@ def test_every_algorithm_matches_the_collective(results: list[dict[str, object]]
         for algo in algos:
             for size in (4, 2):
                 assert f"{kind}:{algo}:{size}" in done
-    assert "pieces" in done and "grouped" in done
+    assert "pieces" in done and "grouped" in done and "sync" in done
 
 
 def test_auto_picks_p2p_where_it_is_faster_and_free(results: list[dict[str, object]]) -> None:

@@ -74,6 +74,15 @@ class _Works:
         return True
 
 
+def _finished(works: _Works, async_op: bool) -> _Works | None:
+    """``works``, or, for a synchronous call (as torch's protocol has it), ``None`` once
+    they have finished."""
+    if async_op:
+        return works
+    works.wait()
+    return None
+
+
 class _P2PComm:
     """The buffer allocation and algorithm choice both p2p comms share."""
 
@@ -122,7 +131,8 @@ class P2PAllGather(_P2PComm):
         if rows[me].data_ptr() != input_tensor.data_ptr():
             rows[me].copy_(input_tensor)
         pieces = [[row] for row in rows]
-        return _Works(_exchange([pieces[me]] * group.size(), pieces, group=group))
+        works = _Works(_exchange([pieces[me]] * group.size(), pieces, group=group))
+        return _finished(works, async_op)
 
 
 class P2PReduceScatter(_P2PComm):
@@ -148,10 +158,12 @@ class P2PReduceScatter(_P2PComm):
             )
         chunks = list(input_tensor.view(group.size(), -1))
         if algorithm == "p2p":
-            return _reduce_scatter_p2p([[c] for c in chunks], [output_tensor], group)
+            works = _reduce_scatter_p2p([[c] for c in chunks], [output_tensor], group)
+            return _finished(works, async_op)
         # the whole buffer in place, then this rank's row
         work = dist.all_reduce(input_tensor, op=op, group=group, async_op=True)
-        return _Works([work], lambda: output_tensor.copy_(chunks[group.rank()]))
+        works = _Works([work], lambda: output_tensor.copy_(chunks[group.rank()]))
+        return _finished(works, async_op)
 
 
 @functools.cache
