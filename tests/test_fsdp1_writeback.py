@@ -149,6 +149,13 @@ def _data_refused() -> str:
     return _outcome(lambda: model(_inp(0)))
 
 
+def _moved_case(engine: str, strategy: str, nested: bool) -> dict[str, torch.Tensor]:
+    """``FSDP(model).to(device)`` as scripts write it (and a dtype cast that changes
+    nothing), then training: ``nn.Module._apply`` swaps each parameter for a converted one."""
+    model = _wrap(engine, strategy, nested).to(CPU).to(torch.float32)
+    return _train(engine, model)
+
+
 def _deepcopy_target(engine: str) -> torch.Tensor:
     model = _wrap(engine, "full")
     model(_inp(0)).sum().backward()
@@ -180,6 +187,10 @@ def _cases() -> dict[str, Any]:
                 )
             for how in (*data, "replace"):
                 out[f"between/{strategy}/{how}/{engine}"] = _between_fwd_bwd(engine, strategy, how)
+            for nested in (False, True):
+                out[f"moved/{strategy}/nested={nested}/{engine}"] = _moved_case(
+                    engine, strategy, nested
+                )
     return out
 
 
@@ -259,3 +270,11 @@ def test_change_between_forward_and_backward_matches_fsdp1() -> None:
         else:
             assert ref["outcome"] == ours["outcome"] == "ok", (what, ref, ours)
             _assert_same(ours["trained"], ref["trained"], what)
+
+
+def test_module_to_after_wrapping_trains_like_fsdp1() -> None:
+    """``FSDP(model).to(device)`` (and a dtype cast) works and trains as under torch's FSDP1:
+    the wrapper's parameters carry no weak references (``swap_tensors`` refuses those) and a
+    ``WritableShard`` detaches to its own type (``nn.Parameter`` of a subclass needs it)."""
+    for rank, case, ours, ref in _pairs("moved"):
+        _assert_same(ours, ref, f"rank {rank} {case}")

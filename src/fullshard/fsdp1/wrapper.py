@@ -60,6 +60,7 @@ from .orig_params import named_originals, record_replaced, refuse_in_backward_op
 from .summon import summon_wrappers
 from .wrap import auto_wrap
 from .writeback import install as install_writeback
+from .writeback import unmark as unmark_writeback
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "TrainingState"]
 
@@ -396,11 +397,14 @@ class FullyShardedDataParallel(OptimStateDictMethods, S.StateDictTypeMethods, _T
         """Nothing to reset: the engine's lazy init runs at the root's first forward."""
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:  # type: ignore[override]
-        ret = nn.Module._apply(self, fn, recurse)
         if STATE_ATTR not in self.__dict__:  # a stand-in group's wrapper: nothing sharded
-            return ret
-        adopt_applied_params(self._unit)
-        self._mark_flattened()  # the unit may have adopted new parameter objects
+            return nn.Module._apply(self, fn, recurse)
+        unmark_writeback(self._unit)  # torch re-wraps each parameter (fsdp1/writeback.py)
+        try:
+            ret = nn.Module._apply(self, fn, recurse)
+            adopt_applied_params(self._unit)
+        finally:
+            self._mark_flattened()  # the unit may have adopted new parameter objects
         return ret
 
     def _mark_flattened(self) -> None:

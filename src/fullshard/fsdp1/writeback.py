@@ -54,7 +54,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _foreach_supported_types
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..checkpoint.shards import local_box, slices
 from ..engine import (
@@ -68,11 +67,14 @@ from ..engine import (
 from .orig_params import note_replaced
 from .state_dict import clean_fqn
 
-__all__ = ["WritableShard", "install", "write_back"]
+__all__ = ["WritableShard", "install", "unmark", "write_back"]
 
 _DATA: Any = torch._C.TensorBase.data  # torch's own ``data`` descriptor
-_FQN = WeakIdKeyDictionary()  # a wrapper's sharded parameter -> its clean FQN
-_WRAPPER = WeakIdKeyDictionary()  # torch < 2.11: a sharded parameter -> its wrapper's storage
+# Marks on a wrapper's sharded parameter, as attributes (a weak reference to it would make
+# ``module.to(...)`` fail: ``swap_tensors`` refuses a tensor something holds weakly); the
+# wrapper marks its parameters again after ``_apply`` (``_mark_flattened``).
+_FQN = "_fullshard_fqn"  # its clean FQN
+_WRAPPER = "_fullshard_wrapper_storage"  # torch < 2.11: its wrapper's storage
 
 
 class WritableShard(DTensor):
@@ -87,7 +89,7 @@ class WritableShard(DTensor):
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
-        fqn = _FQN.get(self)
+        fqn = getattr(self, _FQN, None)
         name = f"{fqn!r}'s .data" if fqn else "a sharded gradient's .data"
         local = _local_part(self, new, name + " was set to")
         with torch.no_grad():
@@ -140,15 +142,25 @@ def _mark(param: torch.Tensor, fqn: str) -> None:
     if DTENSOR_SUBCLASS_VIEWS and type(param) is DTensor:
         param.__class__ = WritableShard
     elif not DTENSOR_SUBCLASS_VIEWS:  # see _check_data_kept
-        _WRAPPER[param] = param.untyped_storage()._cdata
-    _FQN[param] = fqn
+        setattr(param, _WRAPPER, param.untyped_storage()._cdata)
+    setattr(param, _FQN, fqn)
+
+
+def unmark(state: FSDPState) -> None:
+    """Before ``module._apply`` converts the unit's parameters: plain ``DTensor``s again, as
+    torch re-wraps each one in ``nn.Parameter``, which takes a tensor subclass only if its
+    ``detach()`` keeps the type (a ``WritableShard``'s gives a ``DTensor``: what state dicts
+    hold). The wrapper marks them again afterwards (:func:`install`)."""
+    for sp in state.group.params:
+        if type(sp.sharded_param) is WritableShard:
+            sp.sharded_param.__class__ = DTensor
 
 
 def _check_data_kept(sp: ShardedParam) -> None:
     """torch < 2.11 (no :class:`WritableShard`): refuse a ``.data`` set on the sharded
     parameter, whose values torch's ``DTensor`` dropped (its wrapper's storage changed)."""
     param = sp.sharded_param
-    if _WRAPPER.get(param, None) in (None, param.untyped_storage()._cdata):
+    if getattr(param, _WRAPPER, None) in (None, param.untyped_storage()._cdata):
         return
     raise RuntimeError(
         f"Cannot writeback: {clean_fqn(sp.fqn)!r}'s .data was set, and on torch "
